@@ -25,10 +25,9 @@ from vlaslurm.algos.gae import chunk_rewards, compute_gae, expand_chunk
 from vlaslurm.algos.grpo import group_advantages, group_advantages_per_step, reward_to_go, success_filter_mask
 from vlaslurm.algos.offpolicy import policy_loss
 from vlaslurm.algos.ppo import explained_variance, masked_mean
-from vlaslurm.spec.algo_types import AlgoConfig, GRPOConfig, PPOConfig, SyntheticAlgoConfig
+from vlaslurm.spec.algo_types import GRPO_ADVANTAGES, AlgoConfig, GRPOConfig, PPOConfig, SyntheticAlgoConfig
 
 Stats = Dict[str, List[float]]
-GRPO_ADVANTAGES = ("chunk", "step", "episode")
 
 
 class Learner(Protocol):
@@ -279,7 +278,7 @@ def make_learner(cfg: AlgoConfig, policy: nn.Module, dp: DataParallel, seed: int
     if cfg.type == "ppo":
         return PPOLearner(cfg, policy, dp, seed)
     if cfg.type == "grpo":
-        return GRPOLearner(cfg, policy, dp, seed)
+        return GRPOLearner(cfg, policy, dp, seed, cfg.advantage)
     if cfg.type == "synthetic":
         return SyntheticLearner(cfg, policy)
     raise NotImplementedError(f"algo.type {cfg.type!r} has no learner; available: ppo, grpo, synthetic")

@@ -6,6 +6,8 @@ from typing import List
 
 from vlaslurm.spec.registry import doc, register
 
+GRPO_ADVANTAGES = ("chunk", "step", "episode")
+
 
 @dataclass
 class AlgoConfig:
@@ -44,6 +46,10 @@ class GRPOConfig(AlgoConfig):
 
     group_size: int = doc(8, "Rollouts per group (same task and initial state).")
     success_filter: List[float] = doc([0.0, 1.0], "Keep groups whose success rate lies in [low, high].")
+    advantage: str = doc(
+        "chunk", "chunk: each chunk's reward normalised within its group at that chunk index; step: the "
+        "reward-to-go of those; episode: the normalised episode return for every chunk."
+    )
     entropy_coef: float = doc(0.0, "Weight of the entropy bonus.")
 
 

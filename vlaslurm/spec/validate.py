@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Iterable, Sequence
 
+from vlaslurm.spec.algo_types import GRPO_ADVANTAGES
 from vlaslurm.spec.errors import close_names
 from vlaslurm.spec.schema import (CONTAINER_RUNTIMES, LAYOUTS, MODES, PLACEMENTS, ROLES, STALE_POLICIES,
                                   WEIGHT_SYNCS)
@@ -60,6 +61,8 @@ def _check_enums(loaded: "LoadedSpec") -> None:
     _choice(loaded, "algo.offpolicy_correction", s.algo.offpolicy_correction, ("none", "decoupled", "tis"))
     for index, mode in enumerate(s.resources.auto.modes):
         _choice(loaded, f"resources.auto.modes[{index}]", mode, MODES)
+    if hasattr(s.algo, "advantage"):
+        _choice(loaded, "algo.advantage", s.algo.advantage, GRPO_ADVANTAGES)
     if hasattr(s.algo, "value_level"):
         _choice(loaded, "algo.value_level", s.algo.value_level, ("action", "chunk"))
     if hasattr(s.model, "std"):
