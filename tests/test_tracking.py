@@ -20,8 +20,11 @@ from typing import Optional
 
 import pytest
 import yaml
+from PIL import Image
 
 from vlaslurm.cli import main
+from vlaslurm.runtime.failures import FRAME_MS
+from vlaslurm.runtime.ledger import read_ledger
 from vlaslurm.runtime.local import run_local
 from vlaslurm.spec import load_spec
 from vlaslurm.tracking import Tracker, read_run_id
@@ -96,10 +99,11 @@ def client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
-def run(tmp: Path, name: str, *overrides: str, env: Optional[dict] = None, total: int = 600) -> tuple:
-    """A real local run (every role a process); returns (run dir, wall seconds)."""
+def run(tmp: Path, name: str, *overrides: str, env: Optional[dict] = None, total: int = 600,
+        base: dict = SPEC) -> tuple:
+    """A real local run (every role a process) of `base`; returns (run dir, wall seconds)."""
     spec = tmp / f"{name}.yaml"
-    spec.write_text(yaml.safe_dump({**SPEC, "rollout": {**SPEC["rollout"], "total_env_steps": total}}))
+    spec.write_text(yaml.safe_dump({**base, "rollout": {**base["rollout"], "total_env_steps": total}}))
     env = {"VLASLURM_TRACKING": "on", **(env or {})}  # the ranks inherit it (other tests may have set it off)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -290,3 +294,28 @@ def test_server_stopped_mid_run_run_finishes_on_time_and_metrics_arrive(server, 
     late = read_run_id(base_dir)
     assert late and c.get_run(late).info.status == "FINISHED"
     assert len(c.get_metric_history(late, "env_steps")) == len(metrics_lines(base_dir))
+
+
+@pytest.mark.slow
+def test_failed_episodes_frames_are_logged_as_artifacts(server, tmp_path):
+    """The toy env renders images; a synthetic (random) policy fails most episodes. Each task's first
+    `tracking.failures_per_task` failed episodes reach MLflow as GIFs under failures/<task>/, once each."""
+    toy = {**SPEC, "name": "trkfail", "env": {"type": "toy", "num_envs": 8, "max_episode_steps": 12}}
+    run_dir, _ = run(tmp_path, "failures", f"tracking.uri={server.uri}", "tracking.experiment=trk",
+                     "tracking.failures_per_task=2", base=toy, total=400)
+    run_id = read_run_id(run_dir)
+    assert run_id, (run_dir / "logs" / "trainer" / "0.log").read_text()[-3000:]
+    local = sorted(p.name for p in (run_dir / "failures" / "reach").glob("*.gif"))
+    assert len(local) == 2, local  # the limit, though far more episodes failed
+    c = client(server.uri)
+    assert [a.path for a in c.list_artifacts(run_id, "failures")] == ["failures/reach"]
+    logged = c.list_artifacts(run_id, "failures/reach")
+    assert sorted(a.path for a in logged) == [f"failures/reach/{name}" for name in local]
+    assert all(a.file_size == (run_dir / "failures" / "reach" / Path(a.path).name).stat().st_size for a in logged)
+    got = Path(c.download_artifacts(run_id, logged[0].path, str(tmp_path / "down")))
+    with Image.open(got) as im:
+        assert im.format == "GIF" and im.n_frames >= 2 and im.info["duration"] >= FRAME_MS
+    ledger = read_ledger(run_dir).set_index("traj_id")
+    for name in local:  # each GIF is the end of an episode the ledger records as failed
+        row = ledger.loc[name[:-len(".gif")]]
+        assert (row.terminated or row.truncated) and not row.success, row

@@ -117,6 +117,8 @@ class TrackingConfig:
 
     uri: Optional[str] = doc(None, "MLflow tracking URI; None = SQLite database under the runs root.")
     experiment: str = doc("vlaslurm", "MLflow experiment name.")
+    failures_per_task: int = doc(3, "Failed episodes kept per task as animated GIFs (failures/<task>/, logged to "
+                                    "MLflow) when the env has images; 0 = none.")
 
 
 @dataclass

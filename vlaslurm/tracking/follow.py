@@ -2,7 +2,8 @@
 
 The trainer appends one row per update to `metrics.jsonl` and every rank
 rewrites `counters/<role>-<rank>.json` every few seconds. The follower turns
-new metrics lines and changed counter files into rows for the tracker, so
+new metrics lines and changed counter files into rows for the tracker, and
+names the new failure GIFs under `failures/<task>/` (each once) for upload, so
 tracking needs no hook in any training loop.
 """
 from __future__ import annotations
@@ -10,8 +11,9 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
+from vlaslurm.runtime.failures import FAILURES_DIR
 from vlaslurm.tracking.buffer import Row
 
 METRICS = "metrics.jsonl"
@@ -42,6 +44,7 @@ class RunFollower:
         self.env_steps = 0  # the newest env step count seen: the step of system metrics
         self._offset = 0
         self._counter_mtimes: Dict[Path, float] = {}
+        self._failures_seen: Set[Path] = set()
 
     def poll(self) -> List[Row]:
         """Rows for everything new since the last poll."""
@@ -80,6 +83,12 @@ class RunFollower:
             when = mtime - (last_wall - wall if last_wall is not None and wall is not None else 0.0)
             rows.append(Row(numeric(values), self.env_steps, int(when * 1000), line=line))
         return rows
+
+    def new_failures(self) -> List[Path]:
+        """Failure GIFs that appeared since the last call (written whole: a temporary name, then renamed)."""
+        found = set((self.run_dir / FAILURES_DIR).glob("*/*.gif")) - self._failures_seen
+        self._failures_seen |= found
+        return sorted(found)
 
     def counter_rows(self) -> List[Row]:
         rows = []

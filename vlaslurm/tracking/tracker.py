@@ -9,7 +9,8 @@ A background thread follows what the run already writes (`metrics.jsonl`,
     at close  Δv statistics and success per task from the ledger (ledger/*, rollout/success_rate/<task>),
               tracking/dropped_rows, and the artifacts
     artifacts spec.yaml, run.json, job.sbatch, profile*, then ledger.parquet, metrics.jsonl,
-              counters/ and a few failed trajectories per task (tracking/failed_trajectories.json)
+              counters/ and a few failed trajectories per task (tracking/failed_trajectories.json);
+              as they appear, the failed episodes' GIFs (failures/<task>/<traj_id>.gif, each once)
 
 MLflow's client retries for minutes; the writer sets its retries to 0 and its
 request timeout low, and retries itself with a capped backoff. While the server
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from vlaslurm.log import get_logger
+from vlaslurm.runtime.failures import FAILURES_DIR
 from vlaslurm.tracking.buffer import Row, RowBuffer
 from vlaslurm.tracking.follow import RunFollower, numeric
 from vlaslurm.tracking.params import placement_params, run_tags, spec_params
@@ -215,6 +217,8 @@ class Tracker:
         try:
             for row in self.follower.poll():
                 self.buffer.put(row)
+            for path in self.follower.new_failures():
+                self.log_artifact(path, f"{FAILURES_DIR}/{path.parent.name}")
         except OSError as exc:
             log.debug("tracking: cannot read the run directory yet: %s", exc)
 

@@ -34,6 +34,7 @@ from vlaslurm.runtime import checkpoint as ckpt
 from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime import signals
 from vlaslurm.runtime.context import RankContext, meet, world_roles
+from vlaslurm.runtime.failures import FailureKeeper
 from vlaslurm.runtime.ledger import Ledger
 from vlaslurm.runtime.records import Counters, EventLog, Heartbeat
 from vlaslurm.runtime.transport import Pub, Pull
@@ -83,6 +84,7 @@ class Collector:
         self.events = EventLog(ctx.run_dir, "trainer", 0)
         self.counters = Counters(ctx.run_dir, "trainer", 0)
         self.heartbeat = Heartbeat(ctx.run_dir, "trainer", 0)
+        self.failures = FailureKeeper(ctx.run_dir, ctx.spec.tracking.failures_per_task)
         self.window: List[bool] = []  # success of episodes finished since the last report
         self.started = time.monotonic()
         self.last_arrival = time.monotonic()
@@ -141,6 +143,7 @@ class Collector:
                 self.received_from[seg.sim_rank] = self.received_from.get(seg.sim_rank, 0) + 1
                 if seg.episode_done:
                     self.window.append(bool(seg.success))
+                    self.failures.offer(seg)
             elif msg.kind == msgs.PHASE_END:
                 if int(msg.meta.get("incarnation", 0)) < self.incarnations.get(int(msg.meta["sim_rank"]), 0):
                     msg = self.pull.recv(0)
@@ -274,6 +277,7 @@ class Collector:
         for seg in self.buffer:  # received but never consumed: still one ledger row each
             self.ledger.add(seg, -1, used=False, dropped=False, t_consumed=now)
         self.ledger.write()
+        self.failures.close()
         self.events.flush()
         self.counters.maybe_write(force=True)
         self.heartbeat.beat(None, f"finished env_steps={self.received_steps}", force=True)
