@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from vlaslurm.placement import model as pm
-from vlaslurm.placement.costs import Costs, Curve, Memory, from_synthetic, isotonic, speed_classes
-from vlaslurm.placement.simulate import Candidate, Workload, simulate
+from vlaslurm.placement.costs import (Costs, CpuCosts, Curve, Memory, from_profile, from_synthetic, isotonic,
+                                      speed_classes)
+from vlaslurm.placement.simulate import Candidate, Prediction, Workload, simulate
 from vlaslurm.slurm.plan import build_plan
 from vlaslurm.spec import load_spec
 
@@ -108,9 +109,22 @@ def test_memory_rejection_names_the_role_and_sizes() -> None:
     work = Workload(16, 1, 256)
     why = pm.memory_check(Candidate("sync", "disaggregated", 1, 1, 2), work, costs)
     assert why == "trainer needs 12.0 GiB > 10.0 GiB per GPU"
-    why = pm.memory_check(Candidate("sync", "collocated", 4, 4, 4), work, costs)
-    assert why.startswith("collocated: simulator 1.0 GiB (4 envs) + max(generator 2.0, trainer 12.0) GiB = 13.0 GiB")
     assert pm.memory_check(Candidate("sync", "disaggregated", 1, 1, 2), work, replace_capacity(costs, 20 * GiB)) == ""
+
+
+def test_collocated_memory_is_the_larger_phase_when_weights_and_optimizer_offload() -> None:
+    # Nothing offloaded: both phases hold every role, 1 + 2 + 12 = 15 GiB.
+    mem = Memory(capacity=14 * GiB, train_base=12 * GiB, gen_base=2 * GiB, sim_base=1 * GiB)
+    costs = constant_costs(0.01, Curve.constant(0.002), 0.02, memory=mem, on_gpu=True)
+    work, cand = Workload(16, 1, 256), Candidate("sync", "collocated", 4, 4, 4)
+    assert pm.memory_check(cand, work, costs).startswith("collocated: rollout phase needs 15.0 GiB > 14.0 GiB")
+    # Generator weights (2) and optimizer state (8) leave the GPU between phases:
+    # rollout 1 + 2 + (12 - 8) = 7, training 1 + 12 + (2 - 2) = 13: the peak is 13, not 15.
+    mem.gen_offload, mem.train_offload = 2 * GiB, 8 * GiB
+    assert mem.collocated_phases(4, 16, 64) == {"rollout": 7 * GiB, "training": 13 * GiB}
+    assert pm.memory_check(cand, work, costs) == ""
+    mem.capacity = 12 * GiB
+    assert pm.memory_check(cand, work, costs).startswith("collocated: training phase needs 13.0 GiB > 12.0 GiB")
 
 
 def replace_capacity(costs: Costs, capacity: float) -> Costs:
@@ -221,3 +235,127 @@ def test_gpu_candidates_fill_whole_nodes_without_asking_for_more_gpus(tmp_path: 
     sim = again.spec.resources.simulator
     assert (sim.nodes, sim.gpus_per_node, sim.tasks_per_node) == (2, 6, 6)
     assert build_plan(again).ranks() == {"simulator": 12, "generator": 2, "trainer": 2}
+
+
+def test_async_per_decision_overhead_has_a_closed_form() -> None:
+    # One instance, a batch of one: a decision is step + the simulator's request and bookkeeping work
+    # + forward + the generator's work per request, one after another (hops free).
+    step, fwd, message, record, serve = 0.004, 0.002, 0.0005, 0.0001, 0.0003
+    costs = constant_costs(step, Curve.constant(fwd), 0.0001, message_s=message, record_s=record, request_s=serve)
+    pred = simulate(Candidate("async", "disaggregated", 1, 1, 1, 1, 1, 0), Workload(1, 1, 256, max_staleness=100),
+                    costs, updates=20)
+    assert pred.sps == pytest.approx(1 / (step + message + record + fwd + serve), rel=1e-6)
+    bare = simulate(Candidate("async", "disaggregated", 1, 1, 1, 1, 1, 0), Workload(1, 1, 256, max_staleness=100),
+                    constant_costs(step, Curve.constant(fwd), 0.0001), updates=20)
+    assert bare.sps == pytest.approx(1 / (step + fwd), rel=1e-6)
+
+
+def cpu_bound_case(host_cores, step_cpu: float = 0.001):
+    # sync, 8 instances stepped together in 10 ms (wall), a free forward and update: 800 env steps/s
+    # unbounded. CPU per env step: simulator 1 ms, generator 8 ms per batch of 8 = 1 ms.
+    costs = constant_costs(0.010, Curve.constant(0.0), 0.0, host_cores=host_cores,
+                           cpu=CpuCosts(step_s=step_cpu, forward_s=Curve.constant(0.008), update_s=Curve.constant(0)))
+    return simulate(Candidate("sync", "disaggregated", 1, 1, 1, 1, 8, 0), Workload(8, 1, 256), costs)
+
+
+def test_cpu_bound_binds_when_cores_are_few_and_not_when_many() -> None:
+    one = cpu_bound_case(host_cores=1.0)  # all roles on 1 core: 1 / (1 ms + 1 ms) = 500 env steps/s
+    assert one.cpu_bound == pytest.approx(500) and one.sps == pytest.approx(500)
+    assert one.cpu == pytest.approx({"simulator": 0.5, "generator": 0.5, "trainer": 0.0})
+    two = cpu_bound_case(host_cores=2.0)  # bound 1000 > 800: the pipeline's own pace
+    assert two.cpu_bound == pytest.approx(1000) and two.sps == pytest.approx(800)
+    # On a cluster each role has its own cpus_per_task: 1 core each, 1000 per role, no bound at 800;
+    # a simulator that computes 2 ms per step on its one core binds it at 500.
+    assert cpu_bound_case(host_cores=None).sps == pytest.approx(800)
+    assert cpu_bound_case(host_cores=None, step_cpu=0.002).sps == pytest.approx(500)
+    # When the cores bind, the roles are busy for a smaller share of the (longer) wall.
+    assert one.util["simulator"] == pytest.approx(two.util["simulator"] * 500 / 800, rel=1e-6)
+
+
+def test_cpu_pools_follow_the_layout() -> None:
+    from vlaslurm.placement.simulate import cpu_pools
+
+    work = replace_cpus(Workload(8, 1, 256), (2.0, 4.0, 8.0))
+    assert cpu_pools(Candidate("sync", "disaggregated", 2, 1, 1), work, None) == [
+        (("simulator",), 4.0), (("generator",), 4.0), (("trainer",), 8.0)]
+    roles = ("simulator", "generator", "trainer")
+    assert cpu_pools(Candidate("sync", "collocated", 2, 2, 2), work, None) == [(roles, 16.0)]
+    assert cpu_pools(Candidate("async", "disaggregated", 2, 1, 1), work, 2.0) == [(roles, 2.0)]
+
+
+def replace_cpus(work: Workload, cpus) -> Workload:
+    from dataclasses import replace
+
+    return replace(work, cpus=cpus)
+
+
+def fake_ranked(mode: str, sps: float, batch: int, p99: float, spread: float = 0.0) -> pm.Ranked:
+    pred = Prediction(sps, sps, {}, {"mean": 0, "p50": 0, "p99": p99, "max": p99}, 0.0, 10, 1.0, spread=spread)
+    return pm.Ranked(Candidate(mode, "disaggregated", 1, 1, 1, 1, batch, 0), pred)
+
+
+def test_ties_within_the_model_uncertainty_go_to_the_more_robust_candidate() -> None:
+    # Three async variants within 2% of each other: the smallest max_batch; a clearly slower sync stays last.
+    ranked = pm.order([fake_ranked("async", 759, 16, 1), fake_ranked("async", 752, 8, 1),
+                       fake_ranked("async", 746, 4, 1), fake_ranked("sync", 197, 16, 0)])
+    assert [(r.cand.mode, r.cand.max_batch) for r in ranked] == [("async", 4), ("async", 8), ("async", 16),
+                                                                 ("sync", 16)]
+    # Within tolerance, fresher data wins before batching; past the tolerance throughput decides.
+    assert pm.order([fake_ranked("async", 1000, 4, 1), fake_ranked("sync", 960, 16, 0)])[0].cand.mode == "sync"
+    assert pm.order([fake_ranked("async", 1000, 4, 1), fake_ranked("sync", 900, 16, 0)])[0].cand.mode == "async"
+    # A noisy simulation widens the band: 2 x 8% standard error.
+    noisy = [fake_ranked("async", 1000, 4, 1, spread=0.08), fake_ranked("sync", 900, 16, 0)]
+    assert pm.order(noisy)[0].cand.mode == "sync"
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """A real profiling job (submitit's local executor) of the small synthetic spec."""
+    from vlaslurm.placement import profile as prof
+
+    root = tmp_path_factory.mktemp("measured")
+    loaded = load_spec(write_spec(root))
+    return loaded, root / "runs", prof.profile(loaded, root / "runs", local=True, budget_s=2.0)
+
+
+def test_profile_measures_cpu_seconds_and_the_runtime_overhead(measured) -> None:
+    loaded, _, profile = measured
+    over = profile["overhead"]
+    assert set(over) == {"sim_request_cpu_s", "record_cpu_s", "gen_serve_cpu_s", "segment_cpu_s"}
+    assert all(v > 0 for v in over.values())
+    assert len(profile["generator"]["forward"]["cpu_seconds"]) == len(profile["generator"]["forward"]["sizes"])
+    costs = from_profile(profile, loaded.spec)
+    assert costs.cpu is not None and costs.host_cores == profile["cpu_count"]
+    # The per-decision work is charged as the roles' own work, and not again inside the hop.
+    assert costs.message_s == over["sim_request_cpu_s"] and costs.request_s == over["gen_serve_cpu_s"]
+    assert costs.hop_s < profile["transport"]["hop_s"]
+    pred = simulate(Candidate("async", "disaggregated", 1, 1, 1, 1, 8, 0), Workload.from_spec(loaded.spec), costs,
+                    updates=6)
+    assert pred.cpu_bound < math.inf and set(pred.cpu) == {"simulator", "generator", "trainer"}
+
+
+def test_an_old_profile_is_not_reused_and_still_loads_without_a_cpu_bound(measured, monkeypatch) -> None:
+    from vlaslurm.placement import profile as prof
+
+    loaded, runs_root, profile = measured
+    old = json.loads(json.dumps(profile))
+    for key in ("overhead", "cpu_count"):
+        del old[key]
+    for part in (old["generator"]["forward"], old["trainer"]["update"]):
+        del part["cpu_seconds"]
+    old["simulator"].update(message_s=1e-4, record_s=2e-5)
+    old["generator"]["request_s"] = 3e-4
+    # Saved under the version 3 key, it is not found: the version is part of the key, so it is re-profiled.
+    monkeypatch.setattr(prof, "PROFILE_VERSION", 3)
+    old_key = prof.cache_key(loaded.spec, True, "cpu")
+    monkeypatch.undo()
+    assert old_key != profile["key"]
+    prof.profile_path(runs_root, old_key).write_text(json.dumps(old))
+    assert prof.cached_profile(loaded, runs_root, local=True)["key"] == profile["key"]
+    # Loaded directly, it falls back to its wall-time bookkeeping and applies no CPU bound.
+    costs = from_profile(old, loaded.spec)
+    assert costs.cpu is None and (costs.message_s, costs.record_s, costs.request_s) == (1e-4, 2e-5, 3e-4)
+    assert costs.hop_s == profile["transport"]["hop_s"]
+    pred = simulate(Candidate("async", "disaggregated", 1, 1, 1, 1, 8, 0), Workload.from_spec(loaded.spec), costs,
+                    updates=6)
+    assert pred.cpu_bound == math.inf and pred.cpu == {}

@@ -8,8 +8,9 @@ slowest environment in a lock-step group is what sync mode pays for.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -63,6 +64,8 @@ class Memory:
     gen_per_item: float = 0.0
     train_base: float = 0.0
     train_per_step: float = 0.0
+    gen_offload: float = 0.0  # collocated: bytes of the generator that leave the GPU while the trainer trains
+    train_offload: float = 0.0  # collocated: bytes of the trainer that leave it while the roles roll out
 
     def sim(self, envs: float) -> float:
         return self.sim_base + self.sim_per_env * envs
@@ -72,6 +75,33 @@ class Memory:
 
     def train(self, steps: float) -> float:
         return self.train_base + self.train_per_step * steps
+
+    def collocated_phases(self, envs: float, batch: float, steps: float) -> Dict[str, float]:
+        """Peak of each phase on a collocated unit: generator weights and trainer optimizer state leave the
+        GPU between phases, so the peak is the larger phase, not the sum of every role's peak."""
+        sim = self.sim(envs)
+        return {"rollout": sim + self.gen(batch) + max(0.0, self.train_base - self.train_offload),
+                "training": sim + self.train(steps) + max(0.0, self.gen_base - self.gen_offload)}
+
+
+@dataclass
+class CpuCosts:
+    """CPU seconds (not wall) of each role's work, measured beside the wall times.
+
+    Wall times drive the event simulation; these bound it: roles that share cores
+    cannot use more CPU seconds per second than there are cores. A simulator that
+    sleeps or waits on a device costs wall time but little CPU; the runtime's own
+    Python work per decision (signing, sockets, bookkeeping) is nearly all CPU.
+    """
+
+    step_s: float  # one action step of one instance
+    forward_s: Curve  # generator forward of a batch of n requests (incl. batch assembly)
+    update_s: Curve  # trainer collate + update of n env steps on one rank
+    request_s: float = 0.0  # simulator main thread, per request: encode, send, receive, decode (real sockets)
+    record_s: float = 0.0  # simulator main thread, per instance and decision: segment bookkeeping
+    serve_s: float = 0.0  # generator, per request: receive, decode, encode and send its reply
+    segment_s: float = 0.0  # trainer, per segment received: receive and decode it
+
 
 
 @dataclass
@@ -101,6 +131,8 @@ class Costs:
     sim_on_gpu: bool = False
     on_gpu: bool = False
     gpu_name: str = "cpu"
+    cpu: Optional["CpuCosts"] = None  # CPU seconds of the same work; None: not measured (no CPU bound)
+    host_cores: Optional[float] = None  # measured locally: every role shares this host's cores
 
     def __post_init__(self) -> None:
         if self.step_rule not in STEP_RULES:
@@ -219,23 +251,54 @@ def from_profile(prof: Dict, spec) -> Costs:
         publish = install = 3 * rtt + nbytes / wts["copy_bytes_per_s"]
     on_gpu = "cuda" in str(prof.get("device", ""))
     swap_bytes = gen.get("weights_bytes", nbytes) + tr.get("optimizer_bytes", 0.0)
+    cpu = cpu_costs(prof)
+    # The runtime's per-decision work: a version 4 profile measures it through real sockets, as CPU
+    # seconds on the target node; older ones timed the encoding alone.
+    message = cpu.request_s if cpu else float(sim.get("message_s", 0.0))
+    record = cpu.record_s if cpu else float(sim.get("record_s", 0.0))
+    request = cpu.serve_s if cpu else float(gen.get("request_s", 0.0))
     return Costs(
         step_samples=step_samples, step_rule=rule, batch_samples=batch,
         forward_s=Curve(list(map(float, fwd["sizes"])), isotonic(fwd["seconds"])),
         update_s=Curve(list(map(float, upd["sizes"])), isotonic(upd["seconds"])),
-        publish_s=float(publish), install_s=float(install), hop_s=float(prof["transport"]["hop_s"]),
-        message_s=float(sim.get("message_s", 0.0)), record_s=float(sim.get("record_s", 0.0)),
-        request_s=float(gen.get("request_s", 0.0)),
+        publish_s=float(publish), install_s=float(install), hop_s=hop_s(prof, cpu),
+        message_s=message, record_s=record, request_s=request,
         batch_s=float(prof["transport"]["round_trip_s"]) if spec.rollout.weight_sync == "nccl" else 0.0,
         memory=Memory(capacity=float(prof["capacity_bytes"]), sim_base=sim["memory"]["base"],
                       sim_per_env=sim["memory"]["per_env"], gen_base=gen["memory"]["base"],
                       gen_per_item=gen["memory"]["per_item"], train_base=tr["memory"]["base"],
-                      train_per_step=tr["memory"]["per_step"]),
+                      train_per_step=tr["memory"]["per_step"], gen_offload=float(gen.get("weights_bytes", 0.0)),
+                      train_offload=float(tr.get("optimizer_bytes", 0.0))),
         thread_safe=bool(sim["thread_safe"]), reset_s=float(sim["reset_s"]),
-        dispatch_s=float(sim["per_instance"].get("dispatch_s", 0.0)) + float(prof["transport"]["hop_s"]),
+        dispatch_s=float(sim["per_instance"].get("dispatch_s", 0.0)) + hop_s(prof, cpu),
         episode_len=np.asarray(sim["episode_len"], int), param_bytes=nbytes,
         swap_s=(2 * swap_bytes / wts["h2d_bytes_per_s"]) if on_gpu else 0.0,
-        sim_on_gpu=False, on_gpu=on_gpu, gpu_name=str(prof.get("gpu", "cpu")))
+        sim_on_gpu=False, on_gpu=on_gpu, gpu_name=str(prof.get("gpu", "cpu")), cpu=cpu,
+        host_cores=float(prof.get("cpu_count") or os.cpu_count() or 1) if prof.get("local") else None)
+
+
+def hop_s(prof: Dict, cpu: Optional[CpuCosts]) -> float:
+    """One message's latency, one way. With the per-decision CPU measured (and charged to the roles as
+    their work), the hop is only what is left of the round trip: waking the peer, the wire."""
+    transport = prof["transport"]
+    if cpu is None or "client_cpu_s" not in transport:
+        return float(transport["hop_s"])
+    rtt = float(transport["round_trip_s"])
+    return max(0.0, rtt - transport["client_cpu_s"] - transport["server_cpu_s"]) / 2
+
+
+def cpu_costs(prof: Dict) -> Optional[CpuCosts]:
+    """The CPU side of a profile; None for a profile from before it was measured (version < 4): then the
+    model applies no CPU bound, as it did when that profile was made."""
+    over = prof.get("overhead")
+    if over is None:
+        return None
+    sim, fwd, upd = prof["simulator"], prof["generator"]["forward"], prof["trainer"]["update"]
+    return CpuCosts(step_s=float(sim["per_instance"]["cpu_s"]),
+                    forward_s=Curve(list(map(float, fwd["sizes"])), isotonic(fwd["cpu_seconds"])),
+                    update_s=Curve(list(map(float, upd["sizes"])), isotonic(upd["cpu_seconds"])),
+                    request_s=float(over["sim_request_cpu_s"]), record_s=float(over["record_cpu_s"]),
+                    serve_s=float(over["gen_serve_cpu_s"]), segment_s=float(over["segment_cpu_s"]))
 
 
 def isotonic(values: Sequence[float]) -> List[float]:

@@ -11,6 +11,10 @@ Modes are only those the spec allows (`resources.auto.modes`, default its own
 Ranking is a two-stage search so that 256 GPUs stay quick: a closed-form estimate
 orders the structural candidates (mode, layout, split, depth), the best ones are
 simulated, and the best few of those are simulated again with other batching.
+
+Candidates predicted within the model's uncertainty of the best (`TOLERANCE`, or
+twice the simulation's own standard error if larger) are not told apart by their
+throughput: among them the most robust comes first (`robustness`).
 """
 from __future__ import annotations
 
@@ -25,6 +29,9 @@ from vlaslurm.placement.simulate import Candidate, Prediction, Workload, simulat
 
 GiB = 2.0 ** 30
 LOCKSTEP_LAYOUTS = ("disaggregated", "hybrid", "collocated")
+# Relative error below which two predictions are a tie: the validation's lock-step predictions, where
+# the model has no unmodelled costs left, land within about this of the measurement on a quiet host.
+TOLERANCE = 0.05
 
 
 @dataclass
@@ -93,10 +100,13 @@ def memory_check(cand: Candidate, work: Workload, costs: Costs) -> str:
         return f"{x / GiB:.1f}"
 
     if cand.layout == "collocated":
-        need = sim + max(gen, train)
+        phases = m.collocated_phases(envs, min(cand.max_batch, work.num_envs), work.steps_per_update / cand.train)
+        phase, need = max(phases.items(), key=lambda kv: kv[1])
         if need > cap:
-            return (f"collocated: simulator {gib(sim)} GiB ({envs:g} envs) + max(generator {gib(gen)}, trainer "
-                    f"{gib(train)}) GiB = {gib(need)} GiB > {gib(cap)} GiB per {where}")
+            return (f"collocated: {phase} phase needs {gib(need)} GiB > {gib(cap)} GiB per {where} (simulator "
+                    f"{gib(sim)} GiB for {envs:g} envs, generator {gib(gen)}, trainer {gib(train)}; generator "
+                    f"weights {gib(m.gen_offload)} and trainer state {gib(m.train_offload)} GiB offloaded between "
+                    f"phases)")
     elif cand.layout == "hybrid":
         need = max(sim, gen) + train
         if need > cap:
@@ -166,8 +176,28 @@ def rank(spec, costs: Costs, units: Optional[int] = None, work: Optional[Workloa
             cand = replace(r.cand, max_batch=b, max_wait_ms=w)
             if cand not in done and not memory_check(cand, work, costs):
                 done[cand] = Ranked(cand, simulate(cand, work, costs, updates=updates))
-    ordered = sorted(done.values(), key=lambda r: -r.score)
-    return ordered + rejected
+    return order(list(done.values())) + rejected
+
+
+def order(ranked: List[Ranked]) -> List[Ranked]:
+    """Best first: by predicted used throughput, except that candidates within the uncertainty of the
+    best are ordered by `robustness` among themselves."""
+    ordered = sorted(ranked, key=lambda r: -r.score)
+    if not ordered:
+        return ordered
+    top = ordered[0]
+    tol = max(TOLERANCE, 2 * top.pred.spread)
+    near = [r for r in ordered if r.score >= top.score * (1 - tol)]
+    return sorted(near, key=robustness) + ordered[len(near):]
+
+
+def robustness(r: Ranked) -> Tuple:
+    """Among ties, prefer (in this order) what makes the run less exposed to what the model does not see:
+    lower predicted Δv p99 (fresher data: less off-policy correction, fewer drops when a role slows),
+    fewer processes (less CPU contention, fewer ranks to fail), a shorter batching wait and a smaller
+    max_batch (lower per-decision latency), then the higher prediction."""
+    c = r.cand
+    return (r.pred.lag["p99"], c.sim + c.gen + c.train, c.max_wait_ms, c.max_batch, -r.score)
 
 
 def choose(ranked: Sequence[Ranked]) -> Ranked:

@@ -14,7 +14,12 @@ What is measured, per role:
 - generator: forward latency per batch size; encode/decode per request; memory;
 - trainer: collate + update time per batch size (env steps); optimizer state; memory;
 - weights: state_dict bytes, copy bandwidth, a filesystem publish and load;
-- transport: one message's loopback latency through the runtime's signed sockets.
+- transport: one message's loopback latency through the runtime's signed sockets;
+- overhead: the runtime's CPU per decision in each role (request round trip through
+  real sockets, segment bookkeeping, the generator's side of a request, the trainer's
+  decoding of a segment).
+Beside each wall time the job records CPU seconds (`time.process_time`, or the
+thread's own in threaded steps), so the model can bound roles that share cores.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ from vlaslurm.log import get_logger
 from vlaslurm.placement.costs import summarize
 
 log = get_logger("vlaslurm.placement")
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4  # 4: CPU seconds beside wall times, the runtime's per-decision work over real sockets
 ROLES = ("simulator", "generator", "trainer")
 
 
@@ -113,6 +118,8 @@ def profile(loaded, runs_root: Path, local: bool = False, force: bool = False, t
         results.setdefault("weights", part["weights"])
         results.setdefault("transport", part["transport"])
         results.setdefault("capacity_bytes", part["capacity_bytes"])
+        results.setdefault("overhead", part["overhead"])
+        results.setdefault("cpu_count", part["cpu_count"])
         results.setdefault("hosts", []).append(part["host"])
     results.update({"key": key, "version": PROFILE_VERSION, "gpu": gpu, "local": local, "created": time.time(),
                     "spec": spec.name, "partitions": {r: p for r, p in partitions(spec).items()}})
@@ -176,7 +183,9 @@ def measure(spec, roles: Sequence[str] = ROLES, budget_s: float = 60.0) -> Dict[
     out["generator"] = _measure_generator(spec, policy, obs, device, share)
     out["trainer"] = _measure_trainer(spec, dims, obs, device, share)
     out["weights"] = _measure_weights(policy, device)
-    out["transport"] = _measure_transport(spec, obs)
+    out["transport"] = _measure_transport(spec, obs, dims)
+    out["overhead"] = _overhead(spec, obs, dims, out["transport"])
+    out["cpu_count"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return out
 
 
@@ -197,6 +206,20 @@ def _timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def _timed_cpu(fn: Callable[[], Any]) -> tuple:
+    """(wall, CPU) seconds of one call; CPU counts every thread of this process (torch's, zmq's)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def _cpu_per_call(fn: Callable[[], Any], rounds: int) -> float:
+    start = time.process_time()
+    for _ in range(rounds):
+        fn()
+    return (time.process_time() - start) / rounds
 
 
 def _instance_counts(spec) -> List[int]:
@@ -221,7 +244,7 @@ def _measure_simulator(spec, budget_s: float) -> Dict[str, Any]:
         before = _rss()
         env = make_env(spec.env, num_envs=n, rank=0, seed=spec.rollout.seed)
         ids = np.arange(n)
-        obs = env.reset(ids.tolist())
+        env.reset(ids.tolist())
         memory[str(n)] = max(0.0, _rss() - before)
         elapsed = np.zeros(n, int)
         samples: List[float] = []
@@ -250,7 +273,6 @@ def _measure_simulator(spec, budget_s: float) -> Dict[str, Any]:
             "reset_s": float(np.mean(reset_times)) if reset_times else 0.0,
             "episode_len": episode_lens[:500] or [spec.env.max_episode_steps],
             "memory": {"base": max(0.0, memory[str(sizes[0])] - per_env * sizes[0]), "per_env": max(0.0, per_env)},
-            **_bookkeeping_s(spec, final_obs, dims),
             "_dims": dims, "_obs": final_obs}
 
 
@@ -261,6 +283,7 @@ def _per_instance(env, n: int, rng, budget_s: float) -> Dict[str, Any]:
     mode steps it (contention included); any other one instance after another.
     """
     rows: List[List[float]] = [[] for _ in range(n)]
+    cpu: List[float] = []
     deadline = time.perf_counter() + budget_s
     env.reset(list(range(n)))
     seeds = rng.integers(0, 2 ** 31, n)
@@ -269,26 +292,29 @@ def _per_instance(env, n: int, rng, budget_s: float) -> Dict[str, Any]:
         local = np.random.default_rng(int(seeds[i]))
         for _ in range(rounds):
             action = local.uniform(-1, 1, (1, env.action_dim)).astype(np.float32)
-            start = time.perf_counter()
+            start, cpu0 = time.perf_counter(), time.process_time()
             res = env.step([i], action)
             rows[i].append(time.perf_counter() - start)
+            cpu.append(time.process_time() - cpu0)
             if res.terminated[0] or res.truncated[0]:
                 env.reset([i])
 
     dispatch: List[float] = []
     if env.thread_safe and n > 1:
-        dispatch = _threaded_steps(env, n, rows, seeds, deadline)
+        dispatch = _threaded_steps(env, n, rows, seeds, deadline, cpu)
     else:
         while len(rows[-1]) < 400 and (len(rows[-1]) < 8 or time.perf_counter() < deadline):
             for i in range(n):
                 run(i, 1)
     return {"n": n, "threaded": bool(dispatch), "dispatch_s": float(np.mean(dispatch)) if dispatch else 0.0,
+            "cpu_s": float(np.mean(cpu)) if cpu else 0.0,
             "samples": [[round(s, 7) for s in row] for row in rows], "summary": [summarize(row) for row in rows]}
 
 
-def _threaded_steps(env, n: int, rows: List[List[float]], seeds, deadline: float) -> List[float]:
+def _threaded_steps(env, n: int, rows: List[List[float]], seeds, deadline: float, cpu: List[float]) -> List[float]:
     """Async mode's simulator loop without sockets: a main thread hands each instance's next step
-    to a pool of n threads and takes finished ones back. Returns the hand-over latencies."""
+    to a pool of n threads and takes finished ones back. Returns the hand-over latencies; appends
+    each step's CPU seconds (its thread's own) to `cpu`."""
     import queue
     from concurrent.futures import ThreadPoolExecutor
 
@@ -297,9 +323,10 @@ def _threaded_steps(env, n: int, rows: List[List[float]], seeds, deadline: float
 
     def step(i: int, submitted: float) -> None:
         action = rngs[i].uniform(-1, 1, (1, env.action_dim)).astype(np.float32)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         res = env.step([i], action)
         t1 = time.perf_counter()
+        cpu.append(time.thread_time() - c0)
         if res.terminated[0] or res.truncated[0]:
             env.reset([i])
         done.put((i, submitted, t0, t1))
@@ -320,9 +347,16 @@ def _threaded_steps(env, n: int, rows: List[List[float]], seeds, deadline: float
     return latencies
 
 
-def _bookkeeping_s(spec, obs, dims) -> Dict[str, float]:
-    """The simulator's own work per decision: `record_s` per instance (the segment bookkeeping) and
-    `message_s` per request (observation out and actions back through the signed transport)."""
+def _overhead(spec, obs, dims, transport: Dict[str, Any]) -> Dict[str, float]:
+    """The runtime's own CPU per decision, per role that pays it (CPU seconds on this node).
+
+    - simulator, per request: build and encode the observation, the signed round trip
+      through real sockets (client side), decode the actions;
+    - simulator, per instance and decision: EnvTrack.record, and encoding the segments it ships;
+    - generator, per request: its side of the round trip (receive, verify, sign, send)
+      and decoding the observation, encoding the actions;
+    - trainer, per segment: verify and decode it.
+    """
     from vlaslurm.runtime import messages as msgs
     from vlaslurm.runtime.episodes import EnvTrack, split_obs, stack_obs
     from vlaslurm.runtime.transport import decode, encode
@@ -332,22 +366,32 @@ def _bookkeeping_s(spec, obs, dims) -> Dict[str, float]:
     item = split_obs(obs)[0]
     track = EnvTrack(0, 0, "t", 64, time.monotonic, 0)
     track.start_episode(item)
-    rounds = 200
-    reply = msgs.ActReply([0], 0, 0, np.zeros((1, chunk, action_dim), np.float32), np.zeros((1, chunk), np.float32),
-                          np.zeros(1, np.float32))
-    start = time.perf_counter()
-    for step in range(rounds):
-        req = msgs.ObsRequest([0], [0], [step], [1], stack_obs([track.obs]), 0, 0)
-        decode(encode(msgs.encode_obs(req), key), key)
-        msgs.decode_act(decode(encode(msgs.encode_act(reply), key), key))
-    message = (time.perf_counter() - start) / rounds
-    start = time.perf_counter()
-    for step in range(rounds):
-        done = track.record(0, reply.actions[0], reply.logprob[0], 0.0, np.zeros(chunk, np.float32),
-                            np.ones(chunk, bool), item, False, False, False)
-        for seg in done:
-            decode(encode(msgs.encode_segment(seg), key), key)
-    return {"message_s": message, "record_s": (time.perf_counter() - start) / rounds}
+    reply = _act_reply(chunk, action_dim)
+    act_msg = decode(encode(msgs.encode_act(reply), key), key)
+    obs_msg = decode(encode(msgs.encode_obs(msgs.ObsRequest([0], [0], [0], [1], stack_obs([item]), 0, 0)), key), key)
+    sim_payload = _cpu_per_call(lambda: (msgs.encode_obs(msgs.ObsRequest([0], [0], [0], [1], stack_obs([track.obs]),
+                                                                          0, 0)), msgs.decode_act(act_msg)), 300)
+    gen_payload = _cpu_per_call(lambda: (msgs.decode_obs(obs_msg), msgs.encode_act(reply)), 300)
+    rounds, segments = 400, []
+    start = time.process_time()
+    for _ in range(rounds):
+        segments += track.record(0, reply.actions[0], reply.logprob[0], 0.0, np.zeros(chunk, np.float32),
+                                 np.ones(chunk, bool), item, False, False, False)
+    record = (time.process_time() - start) / rounds
+    sample = segments[0] if segments else fake_segments(spec, obs, dims, 1)[0]
+    wire = encode(msgs.encode_segment(sample), key)
+    seg_encode = _cpu_per_call(lambda: encode(msgs.encode_segment(sample), key), 50)
+    seg_decode = _cpu_per_call(lambda: msgs.decode_segment(decode(wire, key)), 50)
+    return {"sim_request_cpu_s": transport["client_cpu_s"] + sim_payload,
+            "record_cpu_s": record + seg_encode * len(segments) / rounds,
+            "gen_serve_cpu_s": transport["server_cpu_s"] + gen_payload, "segment_cpu_s": seg_decode}
+
+
+def _act_reply(chunk: int, action_dim: int):
+    from vlaslurm.runtime import messages as msgs
+
+    return msgs.ActReply([0], 0, 0, np.zeros((1, chunk, action_dim), np.float32), np.zeros((1, chunk), np.float32),
+                         np.zeros(1, np.float32))
 
 
 def _policy(spec, dims, device):
@@ -389,7 +433,7 @@ def _measure_generator(spec, policy, obs, device, budget_s: float) -> Dict[str, 
     from vlaslurm.runtime.roles.generator import to_policy_input
 
     policy.eval()
-    sizes, seconds, memory = [], [], {}
+    sizes, seconds, cpu, memory = [], [], [], {}
     deadline = time.perf_counter() + budget_s
     for b in _batch_sizes(spec):
         req = msgs.ObsRequest(list(range(b)), [0] * b, [0] * b, list(range(b)), _tile_obs(obs, b), 0, 0)
@@ -404,14 +448,15 @@ def _measure_generator(spec, policy, obs, device, budget_s: float) -> Dict[str, 
             _sync(device)
 
         forward()  # warm-up
-        times = [_timed(forward) for _ in range(15 if time.perf_counter() < deadline else 3)]
+        times = np.asarray([_timed_cpu(forward) for _ in range(15 if time.perf_counter() < deadline else 3)])
         sizes.append(b)
-        seconds.append(float(np.quantile(times, 0.25)))  # a busy machine's spikes inflate means and medians
+        seconds.append(float(np.quantile(times[:, 0], 0.25)))  # a busy machine's spikes inflate means and medians
+        cpu.append(float(np.quantile(times[:, 1], 0.25)))
         memory[str(b)] = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
                           else max(0.0, _rss() - before))
     weights = float(sum(t.numel() * t.element_size() for t in policy.state_dict().values()))
     per_item = float(np.polyfit(sizes, [memory[str(b)] for b in sizes], 1)[0]) if len(sizes) > 1 else 0.0
-    return {"forward": {"sizes": sizes, "seconds": seconds}, "weights_bytes": weights,
+    return {"forward": {"sizes": sizes, "seconds": seconds, "cpu_seconds": cpu}, "weights_bytes": weights,
             "request_s": _request_s(spec, obs),
             "memory": {"base": weights, "per_item": max(0.0, per_item)}}
 
@@ -468,7 +513,7 @@ def _measure_trainer(spec, dims, obs, device, budget_s: float) -> Dict[str, Any]
     policy = _policy(spec, dims, device).train()
     learner = make_learner(spec.algo, policy, DataParallel(None, 0, 1), spec.rollout.seed)
     spu = spec.algo.steps_per_update
-    sizes, seconds, memory = [], [], {}
+    sizes, seconds, cpu, memory = [], [], [], {}
     deadline = time.perf_counter() + budget_s
     for steps in sorted({max(1, spu // 4), max(1, spu // 2), spu}):
         segments = fake_segments(spec, obs, dims, steps)
@@ -481,9 +526,10 @@ def _measure_trainer(spec, dims, obs, device, budget_s: float) -> Dict[str, Any]
             _sync(device)
 
         update()  # warm-up (optimizer state)
-        times = [_timed(update) for _ in range(2 if time.perf_counter() < deadline else 1)]
+        times = np.asarray([_timed_cpu(update) for _ in range(2 if time.perf_counter() < deadline else 1)])
         sizes.append(sum(s.steps for s in segments))
-        seconds.append(float(np.min(times)))
+        seconds.append(float(np.min(times[:, 0])))
+        cpu.append(float(np.min(times[:, 1])))
         memory[str(sizes[-1])] = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
                                   else max(0.0, _rss() - before))
     opt = getattr(learner, "opt", None)
@@ -493,13 +539,11 @@ def _measure_trainer(spec, dims, obs, device, budget_s: float) -> Dict[str, Any]
                               if torch.is_tensor(v)))
     weights = float(sum(t.numel() * t.element_size() for t in policy.state_dict().values()))
     per_step = float(np.polyfit(sizes, [memory[str(s)] for s in sizes], 1)[0]) if len(sizes) > 1 else 0.0
-    return {"update": {"sizes": sizes, "seconds": seconds}, "optimizer_bytes": opt_bytes,
+    return {"update": {"sizes": sizes, "seconds": seconds, "cpu_seconds": cpu}, "optimizer_bytes": opt_bytes,
             "memory": {"base": 2 * weights + opt_bytes, "per_step": max(0.0, per_step)}}
 
 
 def _measure_weights(policy, device) -> Dict[str, Any]:
-    import torch
-
     from vlaslurm.runtime.weights import FilesystemPublisher, FilesystemSubscriber
 
     state = {k: v.detach() for k, v in policy.state_dict().items()}
@@ -520,8 +564,9 @@ def _measure_weights(policy, device) -> Dict[str, Any]:
             "filesystem_publish_s": publish, "filesystem_install_s": install}
 
 
-def _measure_transport(spec, obs) -> Dict[str, Any]:
-    """One-way latency between two processes through the runtime's signed sockets.
+def _measure_transport(spec, obs, dims) -> Dict[str, Any]:
+    """One-way latency between two processes through the runtime's signed sockets, and the CPU each
+    side spends per round trip (an observation out, an action chunk back).
 
     The echo process blocks in a poll between requests, as the roles do, so the
     latency includes waking a process: on a busy machine that is most of it.
@@ -536,22 +581,24 @@ def _measure_transport(spec, obs) -> Dict[str, Any]:
     echo = subprocess.Popen([sys.executable, "-c", "from vlaslurm.placement.profile import _echo_server; _echo_server()"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        echo.stdin.write(key.hex() + "\n")
+        echo.stdin.write(f"{key.hex()} {spec.model.action_chunk} {dims['action_dim']}\n")
         echo.stdin.flush()
         endpoint = echo.stdout.readline().strip()
         req = msgs.encode_obs(msgs.ObsRequest([0], [0], [0], [0], _tile_obs(obs, 1), 0, 0))
-        times = []
+        times, cpu = [], 0.0
         with Dealer(key, name="profile") as dealer:
             dealer.connect(endpoint)
-            for i in range(230):
+            for i in range(ECHO_WARMUP + 200):
                 time.sleep(0.002)
-                start = time.perf_counter()
+                start, cpu0 = time.perf_counter(), time.process_time()
                 dealer.send(req)
                 if dealer.recv(5000) is None:
                     raise TimeoutError("the transport echo process did not answer within 5 s")
-                if i >= 30:
+                if i >= ECHO_WARMUP:
                     times.append(time.perf_counter() - start)
+                    cpu += time.process_time() - cpu0
             dealer.send(msgs.ctl(0, 0, True))
+            server_cpu = float(echo.stdout.readline())
     finally:
         try:
             echo.wait(10)
@@ -559,17 +606,24 @@ def _measure_transport(spec, obs) -> Dict[str, Any]:
             echo.kill()
     rtt = float(np.mean(times))
     return {"round_trip_s": rtt, "round_trip_p99_s": float(np.quantile(times, 0.99)), "hop_s": rtt / 2,
-            "load_average": os.getloadavg()[0]}
+            "client_cpu_s": cpu / len(times), "server_cpu_s": server_cpu, "load_average": os.getloadavg()[0]}
+
+
+ECHO_WARMUP = 30
 
 
 def _echo_server() -> None:
-    """The other end of `_measure_transport`: key on stdin, endpoint on stdout, echo until a ctl message."""
+    """The other end of `_measure_transport`: 'key chunk action_dim' on stdin, endpoint on stdout; answers
+    each request with an action chunk until a ctl message, then prints its CPU seconds per request."""
     import sys
 
+    from vlaslurm.runtime import messages as msgs
     from vlaslurm.runtime.transport import Poller, Router
 
-    key = bytes.fromhex(sys.stdin.readline().strip())
-    with Router(key, name="echo") as router:
+    hex_key, chunk, action_dim = sys.stdin.readline().split()
+    reply = msgs.encode_act(_act_reply(int(chunk), int(action_dim)))
+    served, start = 0, 0.0
+    with Router(bytes.fromhex(hex_key), name="echo") as router:
         print(router.bind("127.0.0.1"), flush=True)
         poller = Poller(router)
         while True:
@@ -579,5 +633,9 @@ def _echo_server() -> None:
                     continue
                 peer, msg = got
                 if msg.kind == "ctl":
+                    print((time.process_time() - start) / max(1, served - ECHO_WARMUP), flush=True)
                     return
-                router.send(peer, msg)
+                router.send(peer, reply)
+                served += 1
+                if served == ECHO_WARMUP:
+                    start = time.process_time()

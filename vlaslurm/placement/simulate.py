@@ -13,6 +13,12 @@ from a `Costs`:
 
 Throughput is measured as the runtime's `charts/SPS` is: env steps the trainer
 received per second, between two of its progress reports (the warm-up excluded).
+
+The event simulation charges wall times. Beside them it adds up CPU seconds per
+role (`Costs.cpu`: env steps, forwards, updates and the runtime's per-decision
+work); roles that share cores cannot go faster than
+cores / (CPU seconds per env step of the roles on them), so the prediction is the
+lower of the two (`cpu_pools` says which roles share which cores).
 """
 from __future__ import annotations
 
@@ -20,13 +26,14 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from vlaslurm.placement.costs import Costs
 
 MAX_SEGMENT_STEPS = 64  # the simulator's segment length cap (runtime/roles/simulator.py)
+ROLES = ("simulator", "generator", "trainer")
 
 
 @dataclass(frozen=True)
@@ -66,12 +73,14 @@ class Workload:
     steps_per_update: int
     max_staleness: int = 0
     stale_policy: str = "drop"
+    cpus: Tuple[float, float, float] = (1.0, 1.0, 1.0)  # cpus_per_task of a simulator, generator, trainer rank
 
     @classmethod
     def from_spec(cls, spec) -> "Workload":
         r = spec.rollout
+        cpus = tuple(float(spec.role_resources(role).cpus_per_task) for role in ROLES)
         return cls(spec.env.num_envs, spec.model.action_chunk, spec.algo.steps_per_update, r.max_staleness,
-                   r.stale_policy)
+                   r.stale_policy, cpus)
 
 
 @dataclass
@@ -85,6 +94,30 @@ class Prediction:
     dropped: float  # fraction of received steps dropped
     updates: int
     sim_seconds: float
+    cpu: Dict[str, float] = field(default_factory=dict)  # cores each role keeps busy at `sps`
+    cpu_bound: float = math.inf  # env steps/s the shared cores allow (inf: CPU not measured)
+    spread: float = 0.0  # relative standard error of `sps` over the simulated report intervals
+
+
+def cpu_pools(cand: Candidate, work: Workload, host_cores: Optional[float]) -> List[Tuple[Tuple[str, ...], float]]:
+    """Which roles share which cores. One host (a local run): all roles share its cores. On a cluster
+    each rank gets its role's `cpus_per_task`; collocated roles overlap on the simulator's allocation
+    (Slurm sizes it for the largest role), hybrid's trainer overlaps the simulators' and generators'."""
+    if host_cores:
+        return [(ROLES, float(host_cores))]
+    cores = dict(zip(ROLES, (cand.sim * work.cpus[0], cand.gen * work.cpus[1], cand.train * work.cpus[2])))
+    if cand.layout == "collocated":
+        return [(ROLES, max(cores.values()))]
+    pools = [(("simulator",), cores["simulator"]), (("generator",), cores["generator"])]
+    if cand.layout == "hybrid":
+        return pools + [(ROLES, max(cores["simulator"] + cores["generator"], cores["trainer"]))]
+    return pools + [(("trainer",), cores["trainer"])]
+
+
+def cpu_bound(demand: Dict[str, float], pools: List[Tuple[Tuple[str, ...], float]]) -> float:
+    """Env steps/s that the pools' cores allow, given each role's CPU seconds per env step."""
+    bounds = [cores / need for roles, cores in pools if (need := sum(demand.get(r, 0.0) for r in roles)) > 0]
+    return min(bounds, default=math.inf)
 
 
 class _Env:
@@ -164,6 +197,8 @@ class Pipeline:
         self.train_busy = False
         self.train_busy_s = 0.0
         self.env_busy_s = 0.0
+        self.env_steps = 0  # instance steps the simulators executed
+        self.cpu_s = dict.fromkeys(ROLES, 0.0)
         self.lags: List[int] = []
         self.reports: List[tuple] = []
 
@@ -226,6 +261,10 @@ class Pipeline:
             rank.running += 1
             duration = self.chunk_time(req.envs)
             self.env_busy_s += duration * len(req.envs)
+            steps = sum(min(self.w.chunk, e.ep_len - e.t) for e in req.envs)
+            self.env_steps += steps
+            if self.k.cpu:
+                self.cpu_s["simulator"] += self.k.cpu.step_s * steps
             handover = 0.0 if self.lockstep else self.k.dispatch_s
             self.at(self._on_device(r, duration) + handover, self.stepped, req, version)
 
@@ -250,6 +289,8 @@ class Pipeline:
     def stepped(self, req: _Req, version: int) -> None:
         """A chunk finished; the rank's one main thread records it and sends the next request."""
         rank = self.ranks[req.rank]
+        if self.k.cpu and not req.booked:
+            self.cpu_s["simulator"] += self.k.cpu.request_s + self.k.cpu.record_s * len(req.envs)
         work = self.k.message_s + self.k.record_s * len(req.envs)
         if work > 0 and not req.booked:
             rank.main_free = max(self.now, rank.main_free) + work
@@ -338,6 +379,8 @@ class Pipeline:
                 g.queue.remove(q)
         g.busy = True
         duration = self.k.forward_s(n) + self.k.request_s * len(batch) + self.k.batch_s
+        if self.k.cpu:
+            self.cpu_s["generator"] += self.k.cpu.forward_s(n) + self.k.cpu.serve_s * len(batch)
         g.busy_s += duration
         g.served += n * self.w.chunk
         self.at(self._on_device(index, duration), self.served, index, batch, g.version)
@@ -369,6 +412,8 @@ class Pipeline:
 
     # ------------------------------------------------------------------ trainer
     def segment(self, steps: int, version: int) -> None:
+        if self.k.cpu:
+            self.cpu_s["trainer"] += self.k.cpu.segment_s
         self.buffer.append((steps, version))
         self.buffered += steps
         self.received += steps
@@ -403,6 +448,8 @@ class Pipeline:
             return
         swap = self.k.swap_s if self.c.layout != "disaggregated" else 0.0
         duration = self.k.train_s(used, self.c.train) + swap
+        if self.k.cpu:
+            self.cpu_s["trainer"] += self.k.cpu.update_s(used / self.c.train) * self.c.train
         self.train_busy = True
         self.train_busy_s += duration + self.k.publish_s
         self.at(self.now + duration, self.trained)
@@ -432,8 +479,13 @@ class Pipeline:
         first = reps[max(0, len(reps) // 4)] if len(reps) > 2 else (0.0, 0)
         last = reps[-1] if reps else (self.now, self.received)
         span = last[0] - first[0]
-        sps = (last[1] - first[1]) / span if span > 0 else 0.0
-        wall = max(self.now, 1e-9)
+        des_sps = (last[1] - first[1]) / span if span > 0 else 0.0
+        # CPU seconds per env step of each role, over the whole run; the shared cores bound the rate.
+        demand = {r: c / self.env_steps for r, c in self.cpu_s.items()} if self.env_steps and self.k.cpu else {}
+        bound = cpu_bound(demand, cpu_pools(self.c, self.w, self.k.host_cores))
+        sps = min(des_sps, bound)
+        stretch = des_sps / sps if sps > 0 else 1.0  # every busy time spreads over a longer wall when CPU binds
+        wall = max(self.now, 1e-9) * stretch
         dropped = self.dropped_steps / self.consumed if self.consumed else 0.0
         lags = np.asarray(self.lags or [0])
         util = {"simulator": self.env_busy_s / (self.w.num_envs * wall),
@@ -442,7 +494,16 @@ class Pipeline:
         return Prediction(sps, sps * (1 - dropped), {k: min(1.0, v) for k, v in util.items()},
                           {"mean": float(lags.mean()), "p50": float(np.percentile(lags, 50)),
                            "p99": float(np.percentile(lags, 99)), "max": float(lags.max())},
-                          dropped, len(reps), wall)
+                          dropped, len(reps), wall, {r: d * sps for r, d in demand.items()}, bound,
+                          self._spread(reps[max(0, len(reps) // 4):]))
+
+    @staticmethod
+    def _spread(reps: List[tuple]) -> float:
+        """Relative standard error of the throughput from its report intervals (batch means)."""
+        rates = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(reps, reps[1:]) if b[0] > a[0]]
+        if len(rates) < 2 or not np.mean(rates):
+            return 0.0
+        return float(np.std(rates, ddof=1) / np.mean(rates) / math.sqrt(len(rates)))
 
 
 def simulate(cand: Candidate, work: Workload, costs: Costs, updates: int = 16, seed: int = 0) -> Prediction:
