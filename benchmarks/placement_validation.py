@@ -8,10 +8,12 @@ predicted with measured throughput (steady state: env steps per second between t
 trainer's progress reports, the first quarter left out, as the model measures).
 Then the same for the quickstart (toy env + openvla-oft + PPO), its own placement only.
 
-    python benchmarks/placement_validation.py                 # all mixes + quickstart
+    python benchmarks/placement_validation.py                 # all mixes + quickstart (~60-90 min)
     python benchmarks/placement_validation.py --mixes sim --no-quickstart
+    python benchmarks/placement_validation.py --quick         # smoke: the choice only, short runs (~5 min)
 
-Results: benchmarks/results/placement_validation.{json,md}.
+Results: benchmarks/results/placement_validation.{json,md} (`--out` elsewhere; `--quick`
+writes under its runs root unless `--out` is given, so a smoke run never replaces them).
 """
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-import numpy as np
 import yaml
 
 from vlaslurm.placement.commands import costs_for
@@ -101,7 +102,8 @@ def pick(ranked: List[Ranked], top: int) -> List[Ranked]:
     return chosen
 
 
-def validate_mix(name: str, units: int, top: int, runs_root: Path, workdir: Path) -> Dict:
+def validate_mix(name: str, units: int, top: int, runs_root: Path, workdir: Path, max_steps: int = 20000,
+                 every_mode: bool = True) -> Dict:
     path = workdir / f"pv-{name}.yaml"
     path.write_text(yaml.safe_dump(merge(merge(BASE, MIXES[name]), {"name": f"pv-{name}"})))
     loaded = load_spec(path)
@@ -109,13 +111,14 @@ def validate_mix(name: str, units: int, top: int, runs_root: Path, workdir: Path
     ranked = rank(loaded.spec, costs, units)
     best = choose(ranked)
     rows = []
-    for r in pick(ranked, top):
+    for r in pick(ranked, top) if every_mode else ranked[:top]:
         overrides = apply(loaded, r)
-        steps = int(min(20000, max(2500, r.pred.sps * 18)))
+        steps = int(min(max_steps, max(min(2500, max_steps), r.pred.sps * 18)))
         got = measure(path, overrides, runs_root, steps, timeout_s=240)
         rows.append({"candidate": r.cand.label(), "chosen": r is best, "predicted_sps": r.pred.sps,
                      "predicted_used_sps": r.pred.used_sps, "predicted_util": r.pred.util,
-                     "predicted_lag_p99": r.pred.lag["p99"], "measured": got})
+                     "predicted_cpu_cores": r.pred.cpu, "predicted_cpu_bound": r.pred.cpu_bound,
+                     "predicted_spread": r.pred.spread, "predicted_lag_p99": r.pred.lag["p99"], "measured": got})
         err = got.get("sps", float("nan")) / r.pred.sps - 1
         print(f"[{name}] {r.cand.label():<42} predicted {r.pred.sps:7.1f}  measured {got.get('sps', float('nan')):7.1f}"
               f"  ({err:+.1%}, load {got['load_average']:.1f})", flush=True)
@@ -139,7 +142,15 @@ def validate_quickstart(runs_root: Path, steps: int) -> Dict:
     got = measure(path, [], runs_root, steps, timeout_s=600)
     print(f"[quickstart] {cand.label()} predicted {pred.sps:.1f} measured {got.get('sps', float('nan')):.1f}", flush=True)
     return {"candidate": cand.label(), "source": source, "predicted_sps": pred.sps, "predicted_util": pred.util,
+            "predicted_cpu_cores": pred.cpu, "predicted_cpu_bound": pred.cpu_bound,
             "predicted_lag_p99": pred.lag["p99"], "measured": got}
+
+
+def cpu_cell(row: Dict) -> str:
+    cores = row.get("predicted_cpu_cores") or {}
+    if not cores:
+        return "-"
+    return f"{sum(cores.values()):.2f} ({row['predicted_cpu_bound']:.0f})"
 
 
 def write_markdown(result: Dict) -> str:
@@ -150,14 +161,15 @@ def write_markdown(result: Dict) -> str:
              "steady-state env steps/s (the trainer's reports, first quarter left out).", ""]
     for mix in result["mixes"]:
         lines += [f"## {mix['mix']}-bound: {json.dumps(mix['config'])}", "",
-                  "| candidate | chosen | predicted SPS | measured SPS | error | measured used SPS | load avg |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| candidate | chosen | predicted SPS | measured SPS | error | measured used SPS | predicted CPU cores "
+                  "(bound SPS) | load avg |",
+                  "|---|---|---|---|---|---|---|---|"]
         for row in mix["rows"]:
             m = row["measured"]
             err = m.get("sps", float("nan")) / row["predicted_sps"] - 1
             lines.append(f"| {row['candidate']} | {'**yes**' if row['chosen'] else ''} | {row['predicted_sps']:.0f} | "
                          f"{m.get('sps', float('nan')):.0f} | {err:+.1%} | {m.get('used_sps', float('nan')):.0f} | "
-                         f"{m['load_average']:.1f} |")
+                         f"{cpu_cell(row)} | {m['load_average']:.1f} |")
         lines += ["", f"Chosen `{mix['chosen']}`: measured {mix['chosen_over_best_measured']:.2f} of the best measured "
                       f"(target >= 0.95); largest prediction error {mix['max_abs_error']:.1%} (target <= 10%).", ""]
     q = result.get("quickstart")
@@ -166,7 +178,8 @@ def write_markdown(result: Dict) -> str:
         err = m.get("sps", float("nan")) / q["predicted_sps"] - 1
         lines += ["## quickstart (toy env + openvla-oft + PPO), no target", "",
                   f"`{q['candidate']}`: predicted {q['predicted_sps']:.0f} env steps/s, measured "
-                  f"{m.get('sps', float('nan')):.0f} ({err:+.0%}), load average {m['load_average']:.1f}.", ""]
+                  f"{m.get('sps', float('nan')):.0f} ({err:+.0%}), load average {m['load_average']:.1f}; predicted CPU "
+                  f"cores (bound SPS): {cpu_cell(q)}.", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -178,20 +191,29 @@ def main() -> None:
     parser.add_argument("--no-quickstart", action="store_true")
     parser.add_argument("--quickstart-steps", type=int, default=30000)
     parser.add_argument("--runs-root", default=None)
+    parser.add_argument("--out", default=None, help="folder for placement_validation.{md,json} "
+                                                    "(default benchmarks/results; with --quick the runs root)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: the chosen candidate of each mix only, 1500 env steps, no quickstart")
     args = parser.parse_args()
     runs_root = Path(args.runs_root or tempfile.mkdtemp(prefix="placement-validation-"))
     workdir = runs_root / "specs"
     workdir.mkdir(parents=True, exist_ok=True)
     result = {"machine": f"{os.cpu_count()} CPUs, load average at start {os.getloadavg()[0]:.1f}",
-              "date": time.strftime("%Y-%m-%d %H:%M"), "units": args.units, "mixes": []}
+              "date": time.strftime("%Y-%m-%d %H:%M"), "units": args.units, "quick": args.quick, "mixes": []}
     for name in args.mixes:
-        result["mixes"].append(validate_mix(name, args.units, args.top, runs_root, workdir))
-    if not args.no_quickstart:
+        if args.quick:
+            result["mixes"].append(validate_mix(name, args.units, 1, runs_root, workdir, 1500, every_mode=False))
+        else:
+            result["mixes"].append(validate_mix(name, args.units, args.top, runs_root, workdir))
+    if not args.no_quickstart and not args.quick:
         result["quickstart"] = validate_quickstart(runs_root, args.quickstart_steps)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "placement_validation.json").write_text(json.dumps(result, indent=1, default=float))
-    (RESULTS / "placement_validation.md").write_text(write_markdown(result))
+    out = Path(args.out) if args.out else (runs_root if args.quick else RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "placement_validation.json").write_text(json.dumps(result, indent=1, default=float))
+    (out / "placement_validation.md").write_text(write_markdown(result))
     print(write_markdown(result))
+    print(f"written to {out}")
 
 
 if __name__ == "__main__":

@@ -250,12 +250,18 @@ def test_async_per_decision_overhead_has_a_closed_form() -> None:
     assert bare.sps == pytest.approx(1 / (step + fwd), rel=1e-6)
 
 
-def cpu_bound_case(host_cores, step_cpu: float = 0.001):
+SYNC8 = Candidate("sync", "disaggregated", 1, 1, 1, 1, 8, 0)
+
+
+def cpu_costs(host_cores, step_cpu: float = 0.001) -> Costs:
     # sync, 8 instances stepped together in 10 ms (wall), a free forward and update: 800 env steps/s
     # unbounded. CPU per env step: simulator 1 ms, generator 8 ms per batch of 8 = 1 ms.
-    costs = constant_costs(0.010, Curve.constant(0.0), 0.0, host_cores=host_cores,
-                           cpu=CpuCosts(step_s=step_cpu, forward_s=Curve.constant(0.008), update_s=Curve.constant(0)))
-    return simulate(Candidate("sync", "disaggregated", 1, 1, 1, 1, 8, 0), Workload(8, 1, 256), costs)
+    return constant_costs(0.010, Curve.constant(0.0), 0.0, host_cores=host_cores,
+                          cpu=CpuCosts(step_s=step_cpu, forward_s=Curve.constant(0.008), update_s=Curve.constant(0)))
+
+
+def cpu_bound_case(host_cores, step_cpu: float = 0.001):
+    return simulate(SYNC8, Workload(8, 1, 256), cpu_costs(host_cores, step_cpu))
 
 
 def test_cpu_bound_binds_when_cores_are_few_and_not_when_many() -> None:
@@ -270,6 +276,9 @@ def test_cpu_bound_binds_when_cores_are_few_and_not_when_many() -> None:
     assert cpu_bound_case(host_cores=None, step_cpu=0.002).sps == pytest.approx(500)
     # When the cores bind, the roles are busy for a smaller share of the (longer) wall.
     assert one.util["simulator"] == pytest.approx(two.util["simulator"] * 500 / 800, rel=1e-6)
+    # The closed-form estimate that orders candidates before simulating applies the same bound.
+    assert pm.estimate(SYNC8, Workload(8, 1, 256), cpu_costs(1.0)) == pytest.approx(500)
+    assert pm.estimate(SYNC8, Workload(8, 1, 256), cpu_costs(2.0)) == pytest.approx(800, rel=0.01)
 
 
 def test_cpu_pools_follow_the_layout() -> None:
@@ -306,6 +315,9 @@ def test_ties_within_the_model_uncertainty_go_to_the_more_robust_candidate() -> 
     # A noisy simulation widens the band: 2 x 8% standard error.
     noisy = [fake_ranked("async", 1000, 4, 1, spread=0.08), fake_ranked("sync", 900, 16, 0)]
     assert pm.order(noisy)[0].cand.mode == "sync"
+    # Among the fresher ones, throughput decides again where it can: sync 900 is 6% above pipelined 850.
+    noisy.append(fake_ranked("pipelined", 850, 8, 0))
+    assert [r.cand.mode for r in pm.order(noisy)] == ["sync", "pipelined", "async"]
 
 
 @pytest.fixture(scope="module")

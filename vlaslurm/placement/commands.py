@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from vlaslurm.placement.costs import Costs, from_profile, from_synthetic
-from vlaslurm.placement.model import Ranked, apply, choose, default_units, rank, scaled_workload
+from vlaslurm.placement.model import TOLERANCE, Ranked, apply, choose, default_units, rank, scaled_workload
 from vlaslurm.placement.profile import cached_profile, profile
 
 
@@ -44,6 +44,9 @@ def ranking(loaded, runs_root: Path, local: bool, units: Optional[int], measure:
     costs, source = costs_for(loaded, runs_root, local, measure)
     units = units or default_units(loaded.spec)
     work, note = scaled_workload(loaded.spec, units)
+    if note and costs.host_cores:  # another scale runs on a cluster: each rank has its cpus_per_task, not this host
+        costs.host_cores = None
+        note += "; CPU bound per role from cpus_per_task"
     return rank(loaded.spec, costs, units, work), source, note, units
 
 
@@ -51,16 +54,19 @@ def print_ranking(console, ranked: Sequence[Ranked], source: str, note: str, uni
     from rich import box
     from rich.table import Table
 
-    table = Table("#", "candidate", "SPS", "used SPS", "util sim", "util gen", "util train", "Δv p50", "Δv p99",
-                  "dropped", box=box.SIMPLE_HEAD, title=f"placements for {units} units, from {source}",
-                  title_justify="left")
+    table = Table("#", "candidate", "SPS", "used SPS", "util sim", "util gen", "util train", "CPU cores",
+                  "Δv p50", "Δv p99", "dropped", box=box.SIMPLE_HEAD,
+                  title=f"placements for {units} units, from {source}", title_justify="left")
     fitting = [r for r in ranked if r.pred]
     for i, r in enumerate(fitting[:top]):
         p = r.pred
         table.add_row(str(i + 1), r.cand.label(), f"{p.sps:.0f}", f"{p.used_sps:.0f}", f"{p.util['simulator']:.2f}",
-                      f"{p.util['generator']:.2f}", f"{p.util['trainer']:.2f}", f"{p.lag['p50']:g}",
+                      f"{p.util['generator']:.2f}", f"{p.util['trainer']:.2f}", cpu_cell(p), f"{p.lag['p50']:g}",
                       f"{p.lag['p99']:g}", f"{p.dropped:.1%}")
     console.print(table)
+    console.print(f"Within {TOLERANCE:.0%} of the best (or twice the simulation's standard error), candidates are "
+                  "ordered by lower Δv p99, then fewer processes, shorter max_wait, smaller max_batch. "
+                  "CPU cores: what the roles keep busy; * where the shared cores bound the throughput.")
     if note:
         console.print(note)
     rejected = [r for r in ranked if r.rejected]
@@ -72,6 +78,13 @@ def print_ranking(console, ranked: Sequence[Ranked], source: str, note: str, uni
     console.print(f"[bold]choice:[/bold] {best.cand.label()}")
     console.print("overrides: " + " ".join(apply(loaded, best, gpus_per_node(loaded))), markup=False)
     return best
+
+
+def cpu_cell(pred) -> str:
+    """Cores the roles keep busy, and '*' when the shared cores are what bounds the throughput."""
+    if not pred.cpu:
+        return "-"
+    return f"{sum(pred.cpu.values()):.2f}" + ("*" if pred.sps >= pred.cpu_bound * (1 - 1e-9) else "")
 
 
 def add_plan_options(p: argparse.ArgumentParser) -> None:

@@ -65,7 +65,7 @@ class Memory:
     train_base: float = 0.0
     train_per_step: float = 0.0
     gen_offload: float = 0.0  # collocated: bytes of the generator that leave the GPU while the trainer trains
-    train_offload: float = 0.0  # collocated: bytes of the trainer that leave it while the roles roll out
+    train_offload: float = 0.0  # collocated: bytes of the trainer (model, grads, optimizer) off it during rollout
 
     def sim(self, envs: float) -> float:
         return self.sim_base + self.sim_per_env * envs
@@ -127,7 +127,7 @@ class Costs:
     episode_len: np.ndarray = field(default_factory=lambda: np.asarray([100]))  # samples, env steps
     allreduce_bytes_per_s: float = 10e9  # gradient all-reduce bandwidth between trainer ranks
     param_bytes: float = 0.0
-    swap_s: float = 0.0  # collocated/hybrid: offload + onload at each rollout/training boundary
+    swap_s: float = 0.0  # collocated: offload + onload at each rollout/training boundary (runtime/offload.py)
     sim_on_gpu: bool = False
     on_gpu: bool = False
     gpu_name: str = "cpu"
@@ -250,7 +250,9 @@ def from_profile(prof: Dict, spec) -> Costs:
         rtt = float(prof["transport"]["round_trip_s"])
         publish = install = 3 * rtt + nbytes / wts["copy_bytes_per_s"]
     on_gpu = "cuda" in str(prof.get("device", ""))
-    swap_bytes = gen.get("weights_bytes", nbytes) + tr.get("optimizer_bytes", 0.0)
+    # Collocated offload (runtime/offload.py): the generator's model, and the trainer's model, gradients and
+    # optimizer state, leave the GPU at each phase boundary and come back for the next phase.
+    swap_bytes = gen.get("weights_bytes", nbytes) + tr["memory"]["base"]
     cpu = cpu_costs(prof)
     # The runtime's per-decision work: a version 4 profile measures it through real sockets, as CPU
     # seconds on the target node; older ones timed the encoding alone.
@@ -268,7 +270,7 @@ def from_profile(prof: Dict, spec) -> Costs:
                       sim_per_env=sim["memory"]["per_env"], gen_base=gen["memory"]["base"],
                       gen_per_item=gen["memory"]["per_item"], train_base=tr["memory"]["base"],
                       train_per_step=tr["memory"]["per_step"], gen_offload=float(gen.get("weights_bytes", 0.0)),
-                      train_offload=float(tr.get("optimizer_bytes", 0.0))),
+                      train_offload=float(tr["memory"]["base"])),
         thread_safe=bool(sim["thread_safe"]), reset_s=float(sim["reset_s"]),
         dispatch_s=float(sim["per_instance"].get("dispatch_s", 0.0)) + hop_s(prof, cpu),
         episode_len=np.asarray(sim["episode_len"], int), param_bytes=nbytes,

@@ -14,7 +14,7 @@ simulated, and the best few of those are simulated again with other batching.
 
 Candidates predicted within the model's uncertainty of the best (`TOLERANCE`, or
 twice the simulation's own standard error if larger) are not told apart by their
-throughput: among them the most robust comes first (`robustness`).
+throughput: among them the most robust comes first (`most_robust`).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from vlaslurm.placement.costs import Costs
-from vlaslurm.placement.simulate import Candidate, Prediction, Workload, simulate
+from vlaslurm.placement.simulate import Candidate, Prediction, Workload, cpu_bound, cpu_pools, simulate
 
 GiB = 2.0 ** 30
 LOCKSTEP_LAYOUTS = ("disaggregated", "hybrid", "collocated")
@@ -121,6 +121,27 @@ def memory_check(cand: Candidate, work: Workload, costs: Costs) -> str:
 
 def estimate(cand: Candidate, work: Workload, costs: Costs) -> float:
     """A quick closed-form throughput estimate (env steps/s) to order candidates before simulating."""
+    return min(_pipeline_estimate(cand, work, costs),
+               cpu_bound(cpu_demand(cand, work, costs), cpu_pools(cand, work, costs.host_cores)))
+
+
+def cpu_demand(cand: Candidate, work: Workload, costs: Costs) -> Dict[str, float]:
+    """Closed-form CPU seconds per env step of each role ({} when the profile has no CPU side)."""
+    cpu = costs.cpu
+    if cpu is None:
+        return {}
+    C = work.chunk
+    k = cand.depth if cand.mode == "pipelined" else 1
+    n = 1 if cand.mode == "async" else max(1, work.num_envs // cand.sim // k)  # instances per request
+    items = n if cand.mode == "async" else n * max(1, cand.sim // cand.gen)
+    b = max(1, min(cand.max_batch, work.num_envs // cand.gen if cand.mode == "async" else items))
+    spu = work.steps_per_update
+    return {"simulator": cpu.step_s + (cpu.request_s / n + cpu.record_s) / C,
+            "generator": cpu.forward_s(b) / (b * C) + cpu.serve_s / (n * C),
+            "trainer": cpu.update_s(spu / cand.train) * cand.train / spu}
+
+
+def _pipeline_estimate(cand: Candidate, work: Workload, costs: Costs) -> float:
     C = work.chunk
     per = work.num_envs // cand.sim
     ids = costs.instance_map(per)
@@ -138,7 +159,7 @@ def estimate(cand: Candidate, work: Workload, costs: Costs) -> float:
     fwd = k * costs.forward_s(items)
     cycle = max(step, fwd) + (0 if k > 1 else fwd) + 2 * costs.hop_s
     phases = math.ceil(work.steps_per_update / (work.num_envs * C))
-    swap = costs.swap_s if cand.layout != "disaggregated" else 0.0
+    swap = costs.swap_s if cand.layout == "collocated" else 0.0
     return work.num_envs * C * phases / (phases * cycle + train + swap)
 
 
@@ -180,24 +201,36 @@ def rank(spec, costs: Costs, units: Optional[int] = None, work: Optional[Workloa
 
 
 def order(ranked: List[Ranked]) -> List[Ranked]:
-    """Best first: by predicted used throughput, except that candidates within the uncertainty of the
-    best are ordered by `robustness` among themselves."""
-    ordered = sorted(ranked, key=lambda r: -r.score)
-    if not ordered:
-        return ordered
-    top = ordered[0]
-    tol = max(TOLERANCE, 2 * top.pred.spread)
-    near = [r for r in ordered if r.score >= top.score * (1 - tol)]
-    return sorted(near, key=robustness) + ordered[len(near):]
+    """Best first: repeatedly the most robust of the candidates still left (`most_robust`)."""
+    left = sorted(ranked, key=lambda r: -r.score)
+    out = []
+    while left:
+        out.append(most_robust(left))
+        left.remove(out[-1])
+    return out
 
 
-def robustness(r: Ranked) -> Tuple:
-    """Among ties, prefer (in this order) what makes the run less exposed to what the model does not see:
-    lower predicted Δv p99 (fresher data: less off-policy correction, fewer drops when a role slows),
-    fewer processes (less CPU contention, fewer ranks to fail), a shorter batching wait and a smaller
-    max_batch (lower per-decision latency), then the higher prediction."""
-    c = r.cand
-    return (r.pred.lag["p99"], c.sim + c.gen + c.train, c.max_wait_ms, c.max_batch, -r.score)
+# What makes a run less exposed to what the model does not see, most important first: lower predicted
+# Δv p99 (fresher data: less off-policy correction, fewer drops when a role slows down), fewer processes
+# (less CPU contention, fewer ranks to fail), a shorter batching wait and a smaller max_batch (lower
+# per-decision latency).
+ROBUSTNESS = (lambda r: r.pred.lag["p99"], lambda r: r.cand.sim + r.cand.gen + r.cand.train,
+              lambda r: r.cand.max_wait_ms, lambda r: r.cand.max_batch)
+
+
+def most_robust(ranked: Sequence[Ranked]) -> Ranked:
+    """The candidate to run among `ranked`: for each ROBUSTNESS criterion in turn, keep those predicted
+    within the uncertainty of the best kept so far (`TOLERANCE`, or twice its simulation's standard error)
+    and, of them, those best on the criterion; then the highest prediction. So throughput decides
+    wherever the model can tell candidates apart, robustness where it cannot."""
+    pool = list(ranked)
+    for criterion in ROBUSTNESS:
+        top = max(pool, key=lambda r: r.score)
+        tol = max(TOLERANCE, 2 * top.pred.spread)
+        pool = [r for r in pool if r.score >= top.score * (1 - tol)]
+        least = min(criterion(r) for r in pool)
+        pool = [r for r in pool if criterion(r) == least]
+    return max(pool, key=lambda r: r.score)
 
 
 def choose(ranked: Sequence[Ranked]) -> Ranked:

@@ -89,7 +89,10 @@ class Prediction:
 
     sps: float  # env steps the trainer received per second
     used_sps: float  # of which not dropped as stale
-    util: Dict[str, float]  # busy fraction per role
+    # Busy fraction of the same simulated wall (stretched when the cores bind), per unit of each role:
+    # simulator per instance (stepping), generator per replica (forwards, per-request work, weight
+    # installs), trainer per trainer group (updates, publishing).
+    util: Dict[str, float]
     lag: Dict[str, float]  # Δv over used segments: mean, p50, p99, max
     dropped: float  # fraction of received steps dropped
     updates: int
@@ -446,7 +449,7 @@ class Pipeline:
             self.at(self.now + self.k.hop_s, self._consumed, i, self.consumed)
         if not used:
             return
-        swap = self.k.swap_s if self.c.layout != "disaggregated" else 0.0
+        swap = self.k.swap_s if self.c.layout == "collocated" else 0.0
         duration = self.k.train_s(used, self.c.train) + swap
         if self.k.cpu:
             self.cpu_s["trainer"] += self.k.cpu.update_s(used / self.c.train) * self.c.train
@@ -498,12 +501,17 @@ class Pipeline:
                           self._spread(reps[max(0, len(reps) // 4):]))
 
     @staticmethod
-    def _spread(reps: List[tuple]) -> float:
-        """Relative standard error of the throughput from its report intervals (batch means)."""
-        rates = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(reps, reps[1:]) if b[0] > a[0]]
-        if len(rates) < 2 or not np.mean(rates):
+    def _spread(reps: List[tuple], windows: int = 4) -> float:
+        """Relative standard error of the throughput: batch means over equal time windows of the steady
+        state (the received-steps curve interpolated between reports, so bursts of updates even out)."""
+        if len(reps) < 3:
             return 0.0
-        return float(np.std(rates, ddof=1) / np.mean(rates) / math.sqrt(len(rates)))
+        times, steps = np.asarray(reps, float).T
+        edges = np.linspace(times[0], times[-1], windows + 1)
+        rates = np.diff(np.interp(edges, times, steps)) / np.diff(edges)
+        if not rates.mean() > 0:
+            return 0.0
+        return float(rates.std(ddof=1) / rates.mean() / math.sqrt(windows))
 
 
 def simulate(cand: Candidate, work: Workload, costs: Costs, updates: int = 16, seed: int = 0) -> Prediction:
