@@ -13,6 +13,10 @@ versions ahead of what the trainer has consumed. While it holds, it tells the
 waiting simulators so (`held`), and they ship their open segments: otherwise
 the steps the trainer needs to move on could sit in unfinished episodes while
 the generator waits for the trainer, and neither would ever move.
+
+Collocated layout (`vlaslurm.runtime.offload`): the trainer announces what it has
+consumed as soon as it takes a phase's batch; from then on the phase is over, so the
+model leaves the GPU for the trainer's update and comes back with the next weights.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from vlaslurm.models import PolicyInput, build_policy
 from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime import signals
 from vlaslurm.runtime.context import RankContext, meet, world_roles
+from vlaslurm.runtime.offload import Offloader, offloads
 from vlaslurm.runtime.records import Counters, EventLog, Heartbeat
 from vlaslurm.runtime.transport import PeerUnreachable, Poller, Router, Sub
 from vlaslurm.runtime.weights import make_subscriber, wait_for_version
@@ -140,10 +145,15 @@ class Generator:
         self.holding_since: Optional[float] = None
         self.announced = 0  # newest version the trainer's announcements name
         self._next_weights_check = 0.0
+        self.offloader = Offloader(offloads(ctx.spec.resources.layout), ctx.device, self.events, ctx.now,
+                                   module=self.policy)
+        self.consumed_at_install = 0  # lock-step: more consumed than this = the trainer took this version's phase
 
     def install(self, version: int, state_dict) -> None:
+        self.offloader.onload(version)
         self.policy.load_state_dict(state_dict)
         self.version = version
+        self.consumed_at_install = self.consumed_steps
         set_context(version=version)
         self.events.add("weights", t=self.ctx.now(), v=version)
 
@@ -179,6 +189,7 @@ class Generator:
         return self.served_steps >= budget
 
     def serve(self, batch: List[Pending]) -> None:
+        self.offloader.onload(self.version)  # only if a phase is redone (a restarted simulator) after the offload
         requests = [p.request for p in batch]
         t0 = self.ctx.now()
         with torch.no_grad():
@@ -208,6 +219,8 @@ class Generator:
         got = self.poll_weights()
         if got is not None:
             self.install(*got)
+        elif self.consumed_steps > self.consumed_at_install:
+            self.offloader.offload(self.version)  # collocated: the phase is over, the trainer's update is next
         if self.over_budget():
             self.holding_since = self.holding_since or self.ctx.now()
             self.tell_held()

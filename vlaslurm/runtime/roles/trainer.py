@@ -11,6 +11,11 @@ Checkpoints (`vlaslurm.runtime.checkpoint`): rank 0 saves every
 arrives, always at an update boundary, so a resumed run repeats no optimizer
 step and loses none. Every rank resumes from the newest checkpoint of the run
 directory when there is one.
+
+Collocated layout (`vlaslurm.runtime.offload`): every trainer rank keeps its model and
+optimizer state in host memory during rollout phases and moves them onto the GPU for
+the update; rank 0 announces what it consumed as soon as it takes a phase's batch, which
+tells the generators to leave the GPU.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime import signals
 from vlaslurm.runtime.context import RankContext, meet, world_roles
 from vlaslurm.runtime.failures import FailureKeeper
+from vlaslurm.runtime.offload import Offloader, offloads
 from vlaslurm.runtime.ledger import Ledger
 from vlaslurm.runtime.records import Counters, EventLog, Heartbeat
 from vlaslurm.runtime.transport import Pub, Pull
@@ -370,7 +376,7 @@ def run(ctx: RankContext, cfg: Optional[TrainerConfig] = None) -> int:
             col.restore(start, ckpt.ledger_rows(resume_from))
         code = lead(cfg, ctx, policy, learner, col, publisher, group, trainers[0], start.version if start else 0)
     else:
-        code = follow(ctx, learner, group, trainers[0])
+        code = follow(ctx, policy, learner, group, trainers[0], start.version if start else 0)
     ctx.world.close()
     return code
 
@@ -416,7 +422,9 @@ def lead(cfg: TrainerConfig, ctx: RankContext, policy, learner, col: Collector, 
     col.mark_boundary(version)
     drained = None
     tracker = open_tracker(ctx.spec, ctx.run_dir)  # MLflow, from its own thread (vlaslurm.tracking)
+    offloader = trainer_offloader(ctx, policy, learner, col.events)
     publisher.publish(version, policy.state_dict())
+    offloader.offload(version)
     try:
         while True:
             if signals.requested():
@@ -432,6 +440,9 @@ def lead(cfg: TrainerConfig, ctx: RankContext, policy, learner, col: Collector, 
             used = col.take(version)
             if not used:
                 continue
+            if col.lockstep:
+                col.announce(version, force=True)  # the phase is over: collocated generators leave the GPU
+            offloader.onload(version)
             if hasattr(policy, "set_std_progress"):
                 policy.set_std_progress(min(1.0, col.received_steps / cfg.rollout.total_env_steps))
             t0, ev0 = time.monotonic(), ctx.now()
@@ -456,6 +467,7 @@ def lead(cfg: TrainerConfig, ctx: RankContext, policy, learner, col: Collector, 
             # lock-step requests for the new version wait at the generator until it is installed.
             col.announce(version, force=True)
             publisher.publish(version, policy.state_dict())  # the WeightPublisher protocol: no per-call timeout
+            offloader.offload(version)
     finally:
         if group is not None:
             broadcast_batch(None, version, group, src)
@@ -477,20 +489,31 @@ def lead(cfg: TrainerConfig, ctx: RankContext, policy, learner, col: Collector, 
     return 0
 
 
-def follow(ctx: RankContext, learner, group, src: int) -> int:
+def follow(ctx: RankContext, policy, learner, group, src: int, version: int = 0) -> int:
     """Other trainer ranks: take each batch from rank 0 and join the update."""
     events = EventLog(ctx.run_dir, "trainer", ctx.rank)
+    offloader = trainer_offloader(ctx, policy, learner, events)
     try:
         while True:
-            version, batch = broadcast_batch(None, 0, group, src)
+            offloader.offload(version)  # a rollout phase: the GPU is the generator's
+            version, batch = broadcast_batch(None, version, group, src)
             if batch is None:
                 return 0
             set_context(version=version)
+            offloader.onload(version)
             t0 = ctx.now()
             learner.update(batch.to(ctx.device), version)
             events.add("update", t0=t0, t1=ctx.now(), v=version, segments=len(batch.instructions))
+            version += 1
     finally:
         events.flush()
+
+
+def trainer_offloader(ctx: RankContext, policy, learner, events: EventLog) -> Offloader:
+    """A trainer rank's model and optimizer state, in host memory during rollouts in the collocated layout."""
+    # Gradients are dropped, not moved: every optimizer step starts from zero_grad(set_to_none=True).
+    return Offloader(offloads(ctx.spec.resources.layout), ctx.device, events, ctx.now, module=policy,
+                     optimizer=getattr(learner, "opt", None), drop_grads=True)
 
 
 def _save_final(policy, ctx: RankContext, versions: int) -> None:
