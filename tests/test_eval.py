@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -46,3 +47,116 @@ def test_eval_loads_the_checkpoint_in_model_path(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(spec))
     directory = evaluate(load_spec(path), tmp_path / "runs", episodes=4)
     assert json.loads((directory / EVAL_FILE).read_text())["episodes"] == 4
+
+
+def test_episodes_do_not_depend_on_the_split_over_simulator_ranks(tmp_path: Path) -> None:
+    """Episode e runs on environment e % n from seed (seed, e): four environments in one process give the same
+    outcomes as two ranks of two (how an eval job splits them), which is what lets a job equal --local."""
+    from vlaslurm.envs import make_env
+    from vlaslurm.models import build_policy
+    from vlaslurm.runtime.evaluate import EvalConfig, Outcomes, local_act, run_episodes
+    from vlaslurm.runtime.roles.simulator import env_dims
+
+    spec = load_spec(spec_file(tmp_path, 0.5)).spec
+    cfg = EvalConfig(episodes=10)
+
+    def outcomes(ranks: int) -> dict:
+        merged: dict = {}
+        for rank in range(ranks):
+            env = make_env(spec.env, num_envs=4 // ranks, rank=rank, seed=spec.rollout.seed)
+            act = local_act(build_policy(spec.model, **env_dims(env, spec.env)), cfg, spec.rollout.seed)
+            out = Outcomes(tmp_path / f"{ranks}-{rank}", cfg.keep_failed)
+            (tmp_path / f"{ranks}-{rank}").mkdir()
+            run_episodes(env, rank * env.num_envs, 4, cfg, spec.rollout.seed, act, out)
+            for task, eps in out.to_json().items():
+                merged.setdefault(task, {}).update(eps)
+        return merged
+
+    one = outcomes(1)
+    assert one == outcomes(2)
+    assert sorted(int(e) for eps in one.values() for e in eps) == list(range(10))
+    assert {s for eps in one.values() for s in eps.values()} == {True, False}  # both kinds, so equality means something
+
+
+def _failed_by_episode(directory: Path) -> dict:
+    import numpy as np
+
+    files = [np.load(p) for p in (directory / "failed").glob("*.npz")]
+    return {int(f["episode"]): f["actions"] for f in files}
+
+
+def tiny_checkpoint_spec(tmp_path: Path) -> Path:
+    """A toy-env spec whose model.path is a tiny openvla-oft saved with save_pretrained; 2 simulator ranks (one
+    environment each) share 1 generator."""
+    from vlaslurm.models import build_policy
+    from vlaslurm.spec.model_types import OpenVLAOFTConfig
+
+    policy = build_policy(OpenVLAOFTConfig(type="openvla-oft", action_chunk=2, action_dim=2),
+                          action_dim=2, state_dim=2, image_size=16, num_cameras=1)
+    policy.save_pretrained(str(tmp_path / "ckpt"))
+    spec = {"name": "evjob", "env": {"type": "toy", "num_envs": 2, "max_episode_steps": 12,
+                                     "obs": {"image_size": 16, "cameras": ["top"]}},
+            "model": {"type": "openvla-oft", "action_chunk": 2, "action_dim": 2, "path": str(tmp_path / "ckpt")},
+            "algo": {"type": "ppo"}, "rollout": {"seed": 3},
+            "resources": {"layout": "disaggregated", "simulator": {"nodes": 1, "tasks_per_node": 2, "cpus_per_task": 1},
+                          "generator": {"nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1},
+                          "trainer": {"nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1}},
+            "slurm": {"partition": "cpu", "time": "00:10:00"}}
+    path = tmp_path / "evjob.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_eval_job_on_the_cluster_equals_local(local_slurm, tmp_path: Path) -> None:
+    """`vlaslurm eval` as a real job (simulator and generator steps, no trainer): the per-task table, each
+    episode's outcome and the failed trajectories' actions equal `--local` for the same seed and checkpoint."""
+    import numpy as np
+
+    from conftest import vlaslurm
+    from vlaslurm.runtime.rundir import read_info
+    from vlaslurm.slurm.submit import exit_record
+
+    spec, root = tiny_checkpoint_spec(tmp_path), tmp_path / "runs"
+    proc = vlaslurm("eval", str(spec), "--episodes", "5", "--keep-failed", "2", "--wait", "--site", "local",
+                    runs_root=root, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id = re.search(r"submitted eval job (\d+)", proc.stdout).group(1)
+    job_dir = Path(next(p for p in (root / "evjob-eval").iterdir() if p.name.endswith(f"-{job_id}")))
+    assert read_info(job_dir).ranks == {"simulator": 2, "generator": 1}
+    assert sorted(r["step"] for r in exit_record(job_dir)) == ["generator", "job", "simulator"]
+    assert not (job_dir / "logs" / "trainer").exists()
+    job = json.loads((job_dir / EVAL_FILE).read_text())
+    assert job["episodes"] == 5 and job["episodes_per_task"] == {"reach": 5}
+    assert re.search(r"reach\s+│?\s*5", proc.stdout), proc.stdout  # --wait printed the table
+
+    local = tmp_path / "local"
+    assert vlaslurm("eval", str(spec), "--episodes", "5", "--keep-failed", "2", "--local", "--site", "local",
+                    runs_root=local, timeout=600).returncode == 0
+    local_dir = next((local / "evjob-eval").iterdir())
+    expected = json.loads((local_dir / EVAL_FILE).read_text())
+    assert {k: job[k] for k in ("success", "episodes_per_task", "outcomes")} == \
+        {k: expected[k] for k in ("success", "episodes_per_task", "outcomes")}
+    failed = {name: _failed_by_episode(d) for name, d in (("job", job_dir), ("local", local_dir))}
+    both = sorted(set(failed["job"]) & set(failed["local"]))
+    assert both  # each keeps 2 per task (the job: per simulator rank), so some episodes are kept by both
+    for episode in both:  # the frozen checkpoint acted the same, action for action
+        np.testing.assert_allclose(failed["job"][episode], failed["local"][episode], rtol=0, atol=1e-6)
+
+    shown = vlaslurm("eval", "--show", job_id, runs_root=root)
+    assert shown.returncode == 0 and str(job_dir) in shown.stdout, shown.stderr
+
+
+def test_cli_eval_local_then_show_and_a_bad_episode_count(tmp_path: Path, capsys) -> None:
+    from vlaslurm.cli import USER_ERROR, main
+
+    spec = str(spec_file(tmp_path, 1.0))
+    assert main(["--runs-root", str(tmp_path / "runs"), "eval", spec, "--episodes", "4", "--local"]) == 0
+    directory = next((tmp_path / "runs" / "ev-eval").iterdir())
+    capsys.readouterr()
+    assert main(["eval", "--show", str(directory)]) == 0
+    shown = capsys.readouterr().out
+    assert re.search(r"\ba\W+2\W+1\.00\b", shown) and re.search(r"\bb\W+2\W+1\.00\b", shown), shown
+    assert main(["eval", spec, "--episodes", "0", "--local"]) == USER_ERROR
+    assert "--episodes >= 1" in capsys.readouterr().err

@@ -38,21 +38,24 @@ def fixed_render(spec: Path) -> str:
     return render(spec, f"/runs/{load_spec(spec).spec.name}/20260101-000000")
 
 
+def check_golden(text: str, golden: Path) -> None:
+    if UPDATE:
+        golden.parent.mkdir(exist_ok=True)
+        golden.write_text(text)
+    assert golden.exists(), f"no golden {golden.relative_to(GOLDEN)}; run with VLASLURM_UPDATE_GOLDEN=1"
+    assert text == golden.read_text(), f"{golden.name} differs; if intended, regenerate with VLASLURM_UPDATE_GOLDEN=1"
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=lambda p: p.stem)
 def test_script_matches_golden(spec: Path) -> None:
-    text = fixed_render(spec)
-    golden = GOLDEN / f"{spec.stem}.sbatch"
-    if UPDATE:
-        GOLDEN.mkdir(exist_ok=True)
-        golden.write_text(text)
-    assert golden.exists(), f"no golden for {spec.name}; run with VLASLURM_UPDATE_GOLDEN=1"
-    assert text == golden.read_text(), f"{golden.name} differs; if intended, regenerate with VLASLURM_UPDATE_GOLDEN=1"
+    check_golden(fixed_render(spec), GOLDEN / f"{spec.stem}.sbatch")
 
 
 def test_goldens_cover_every_layout_and_no_stale_files() -> None:
     layouts = {load_spec(spec).spec.resources.layout for spec in SPECS}
     assert layouts == {"collocated", "disaggregated", "hybrid"}
     assert {p.stem for p in GOLDEN.glob("*.sbatch")} == {p.stem for p in SPECS}
+    assert {p.stem for p in (GOLDEN / "eval").glob("*.sbatch")} == {case[0] for case in EVAL_CASES}
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda p: p.stem)
@@ -85,6 +88,48 @@ def test_plan_shared_node_asks_for_the_sum_of_memory(tmp_path: Path) -> None:
     spec = TESTS / "specs" / "probe-3c.yaml"
     plan = build_plan(load_spec(spec, ["resources.simulator.mem=100G", "resources.generator.mem=28G"]))
     assert plan.components[0].mem == f"{128 * 1024}M" and plan.components[1].mem == "100G"
+
+
+# (golden name, spec, overrides): one eval job per layout, and roles sharing a node (probe-3c)
+EVAL_CASES = [("quickstart", TESTS.parent / "experiments" / "quickstart.yaml", []),
+              ("quickstart-collocated", TESTS.parent / "experiments" / "quickstart.yaml",
+               ["resources.layout=collocated", "rollout.mode=sync"]),
+              ("probe-hybrid", TESTS / "specs" / "probe-hybrid.yaml", []),
+              ("probe-3c", TESTS / "specs" / "probe-3c.yaml", [])]
+
+
+def eval_render(spec: Path, overrides) -> str:
+    """`vlaslurm eval SPEC --episodes 50` as a job: the plan without its trainer, the eval entry point."""
+    from vlaslurm.runtime.evaluate import EvalConfig
+
+    loaded = load_spec(spec, overrides)
+    options = RenderOptions(run_dir=Path(f"/runs/{loaded.spec.name}-eval/20260101-000000"), python=PYTHON,
+                            entry_args=EvalConfig(episodes=50).args(), job_id_suffix=True)
+    return render_script(loaded, build_plan(loaded, "eval"), options)
+
+
+@pytest.mark.parametrize("name, spec, overrides", EVAL_CASES, ids=[c[0] for c in EVAL_CASES])
+def test_eval_script_matches_golden(name: str, spec: Path, overrides, tmp_path: Path) -> None:
+    text = eval_render(spec, overrides)
+    check_golden(text, GOLDEN / "eval" / f"{name}.sbatch")
+    assert "--role trainer" not in text and "-m vlaslurm.runtime.evaluate --role simulator" in text
+    (tmp_path / "job.sbatch").write_text(text)
+    proc = subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_eval_plan_drops_the_trainer_in_every_layout() -> None:
+    layouts = {}
+    for _, spec, overrides in EVAL_CASES:
+        loaded = load_spec(spec, overrides)
+        train, plan = build_plan(loaded), build_plan(loaded, "eval")
+        layouts[plan.layout] = plan
+        assert plan.kind == "eval" and plan.ranks() == {r: n for r, n in train.ranks().items() if r != "trainer"}
+        assert all("trainer" not in c.roles for c in plan.components)
+        assert [s for s in train.steps if s.role != "trainer"] == list(plan.steps)  # the rest is the training job's
+    assert set(layouts) == {"collocated", "disaggregated", "hybrid"}
+    assert [c.roles for c in layouts["collocated"].components] == [("simulator", "generator")]
+    assert [c.roles for c in layouts["hybrid"].components] == [("simulator",), ("generator",)]
 
 
 ODD = "odd dir $(touch {tmp}/PWNED1) `touch {tmp}/PWNED2`; touch {tmp}/PWNED3 'q' 50%j"

@@ -137,14 +137,66 @@ def _entry_args(args: argparse.Namespace) -> List[str]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """Success per task of the frozen policy (no trainer); failed trajectories kept per task."""
+    """Success per task of the frozen policy (no trainer); failed trajectories kept per task. A Slurm job
+    unless --local; --show prints an earlier eval's table (SPEC is then its run: directory, name or job id)."""
+    if args.show:
+        return _print_eval(_eval_dir(args))
+    from vlaslurm.runtime.evaluate import EvalConfig, evaluate
+
+    try:
+        cfg = EvalConfig(args.episodes, args.keep_failed, deterministic=not args.sample)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    loaded = _load(args)
+    if args.local:
+        return _print_eval(evaluate(loaded, _runs_root(args), cfg.episodes, cfg.keep_failed, cfg.deterministic))
+    from vlaslurm.slurm.submit import submit
+
+    sub = submit(loaded, _runs_root(args), entry_args=cfg.args(), kind="eval")
+    console.print(f"submitted eval job [bold]{sub.job_id}[/bold]  run dir: {sub.run_dir}")
+    if not args.wait:
+        console.print(f"when it is done:  vlaslurm eval --show {sub.job_id}   (vlaslurm status {sub.job_id} meanwhile)")
+        return 0
+    try:
+        state = _wait_for_job(sub.run_dir)
+    except KeyboardInterrupt:
+        raise UserError(f"stopped waiting; job {sub.job_id} goes on (vlaslurm eval --show {sub.job_id} once done)") from None
+    if state != "COMPLETED":
+        raise UserError(f"eval job {sub.job_id} ended {state}; see vlaslurm logs {sub.job_id}")
+    return _print_eval(sub.run_dir)
+
+
+def _wait_for_job(run_dir: Path, poll_s: float = 2.0) -> str:
+    """Block until Slurm has ended the job (its time limit bounds this) and its exit record is written."""
+    from vlaslurm.runtime.rundir import read_info
+    from vlaslurm.runtime.status import run_state
+
+    info = read_info(run_dir)
+    not_ended = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "SUSPENDED"}  # as run_state says
+    while (state := run_state(info)) in not_ended:
+        time.sleep(poll_s)
+    return state
+
+
+def _eval_dir(args: argparse.Namespace) -> Path:
+    """The directory of the eval run named by SPEC: a directory holding eval.json, or a run's name or job id."""
+    from vlaslurm.runtime.rundir import RunNotFound, resolve_run
+
+    if (Path(args.spec) / "eval.json").exists():
+        return Path(args.spec)
+    try:
+        return Path(resolve_run(_runs_root(args), args.spec).run_dir)
+    except RunNotFound as exc:
+        raise UserError(str(exc)) from None
+
+
+def _print_eval(directory: Path) -> int:
     import json
 
-    from vlaslurm.runtime.evaluate import EVAL_FILE, evaluate
+    from vlaslurm.runtime.evaluate import EVAL_FILE
 
-    if not args.local:
-        raise UserError("eval runs on this machine for now: pass --local (a Slurm eval job is not built yet)")
-    directory = evaluate(_load(args), _runs_root(args), args.episodes)
+    if not (directory / EVAL_FILE).exists():
+        raise UserError(f"{directory} has no {EVAL_FILE} yet (see vlaslurm status {directory})")
     summary = json.loads((directory / EVAL_FILE).read_text())
     table = Table("task", "episodes", "success")
     for task, rate in summary["success"].items():
@@ -315,10 +367,16 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, text in (("status", cmd_status, "show a run's state"),
                              ("cancel", cmd_cancel, "cancel a run's Slurm job")):
         add(name, func, text).add_argument("run", help="run directory, run name, job id or sweep name (all its runs)")
-    p = add("eval", cmd_eval, "success per task of the frozen policy, without a trainer")
+    p = add("eval", cmd_eval, "success per task of the frozen policy, without a trainer (a Slurm job unless --local)")
     spec_args(p)
-    p.add_argument("--episodes", type=int, default=100, help="episodes to run (default 100)")
-    p.add_argument("--local", action="store_true", help="run on this machine (required for now)")
+    p.add_argument("--episodes", type=int, default=100, help="episodes to run in all, over every task (default 100)")
+    p.add_argument("--keep-failed", type=int, default=3, help="failed trajectories kept per task (default 3)")
+    p.add_argument("--sample", action="store_true", help="sample actions (seeded per episode and step) instead of "
+                                                          "taking the policy's mean")
+    p.add_argument("--local", action="store_true", help="run in this process instead of a Slurm job")
+    p.add_argument("--wait", action="store_true", help="block until the job ends, then print its table")
+    p.add_argument("--show", action="store_true", help="SPEC names an eval run instead (directory, name or job id): "
+                                                        "print its table")
     p = add("resume", cmd_resume, "continue a stopped run from its newest checkpoint")
     p.add_argument("run", help="run directory, run name or job id")
     p.add_argument("--local", action="store_true", help="run every role as local processes (default: as the run ran)")

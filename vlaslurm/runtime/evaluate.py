@@ -1,99 +1,373 @@
 """`vlaslurm eval`: the frozen policy's success per task, with its failed trajectories kept.
 
-Simulator and policy run without a trainer, in one local process: this is the
-baseline to reproduce (e.g. the SFT checkpoint in `model.path`) before RL.
+Simulators and the policy run without a trainer: this is the baseline to reproduce (e.g. the SFT
+checkpoint in `model.path`) before RL. One episode loop (`run_episodes`) serves both ways to run it:
+- `--local`: one process, the policy acting in-process (`evaluate`);
+- a Slurm job (`build_plan(loaded, kind="eval")`: simulator and generator steps, no trainer), whose
+  ranks start here (`main`): each simulator rank runs the loop over its environments and asks its
+  generator for actions over the run's signed sockets; generators serve `model.path` frozen (the
+  weights never change: version 0) until their simulators are done; simulator rank 0 merges every
+  rank's outcomes into `eval.json`.
+Episode e runs on environment e % n (n = min(env.num_envs, episodes), environments numbered over all
+simulator ranks) from a seed of (rollout.seed, e), so the episodes do not depend on how the
+environments are split over ranks, and a job gives the same table as `--local` for the same seed.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import sys
+import time
+import traceback
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 import numpy as np
 import torch
 
 from vlaslurm.envs import make_env
+from vlaslurm.envs.base import Observation, VecEnv
+from vlaslurm.log import get_logger
 from vlaslurm.models import PolicyInput, build_policy
+from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime import rundir
-from vlaslurm.runtime.episodes import mix_seed, run_chunk
+from vlaslurm.runtime.context import RankContext, make_context, meet, rank_from_env
+from vlaslurm.runtime.episodes import mix_seed, run_chunk, split_obs, stack_obs
 from vlaslurm.runtime.failures import FailureKeeper
+from vlaslurm.runtime.records import Heartbeat
 from vlaslurm.runtime.rendezvous import write_atomic
 from vlaslurm.runtime.roles.simulator import env_dims
+from vlaslurm.runtime.transport import Dealer, Router
 from vlaslurm.spec import LoadedSpec
 
 EVAL_FILE = "eval.json"
+PARTS_DIR = "eval"  # eval/sim-<rank>.json: one simulator rank's outcomes, merged into EVAL_FILE by rank 0
+log = get_logger("vlaslurm.eval")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """How an eval runs: what `vlaslurm eval` passes to every rank of its job, besides the spec."""
+
+    episodes: int  # in all, over every task
+    keep_failed: int = 3  # failed trajectories kept per task (per simulator rank in a job)
+    deterministic: bool = True  # the policy's mean action; False samples, seeded per episode and step
+
+    def __post_init__(self) -> None:
+        if self.episodes < 1 or self.keep_failed < 0:
+            raise ValueError(f"eval needs --episodes >= 1 and keep_failed >= 0, got {self.episodes} and "
+                             f"{self.keep_failed}")
+
+    def args(self) -> List[str]:
+        """This config as the command line of a job's ranks (read back by `main`)."""
+        return ["--episodes", str(self.episodes), "--keep-failed", str(self.keep_failed),
+                *([] if self.deterministic else ["--sample"])]
+
+
+@dataclass
+class Decision:
+    """The environments that need actions now: global ids, episode numbers, steps into the episode."""
+
+    gids: List[int]
+    episodes: List[int]
+    steps: List[int]
+
+    def seeds(self, seed: int) -> List[int]:
+        return [mix_seed(seed, e, s, 1) for e, s in zip(self.episodes, self.steps)]
+
+
+Act = Callable[[Observation, Decision], np.ndarray]  # -> action chunks [n, C, A], one row per environment
+
+
+class Outcomes:
+    """Success of every finished episode by task; failed ones written to `failed/<task>-<n>.npz` (and their
+    frames to `failures/<task>/<n>.gif`), n counted per task from `first_index`."""
+
+    def __init__(self, directory: Path, keep_failed: int, first_index: int = 0) -> None:
+        self.directory, self.keep_failed, self.first_index = directory, keep_failed, first_index
+        self.success: Dict[str, Dict[int, bool]] = defaultdict(dict)
+        self.kept: Dict[str, int] = defaultdict(int)
+        self.frames = FailureKeeper(directory, keep_failed, background=False)
+
+    def add(self, task: str, episode: int, success: bool, instruction: str, trace: list, last) -> None:
+        self.success[task][episode] = success
+        if success or self.kept[task] >= self.keep_failed:
+            return
+        index = self.first_index + self.kept[task]
+        _save_failed(self.directory, task, index, episode, instruction, trace)
+        if last[0] is not None:  # the frames of every decision step and the final one
+            self.frames.keep(task, str(index), np.stack([s[2] for s in trace] + [last[0]]))
+        self.kept[task] += 1
+
+    def to_json(self) -> Dict[str, Dict[str, bool]]:
+        return {task: {str(e): s for e, s in sorted(eps.items())} for task, eps in sorted(self.success.items())}
+
+
+def run_episodes(env: VecEnv, first_gid: int, num_envs: int, cfg: EvalConfig, seed: int, act: Act,
+                 outcomes: Outcomes) -> None:
+    """Run the episodes of `env`'s instances (global ids from `first_gid`; `num_envs` over all ranks):
+    each instance in turn runs episodes gid, gid + n, ... below cfg.episodes, with partial resets."""
+    n = min(num_envs, cfg.episodes)
+    episode = {i: first_gid + i for i in range(env.num_envs) if first_gid + i < n}
+    if not episode:
+        return
+    ids = sorted(episode)
+    obs = env.reset(ids, [mix_seed(seed, episode[i]) for i in ids])
+    steps = {i: 0 for i in ids}
+    trace: Dict[int, list] = {i: [] for i in ids}
+    while ids:
+        actions = act(obs, Decision([first_gid + i for i in ids], [episode[i] for i in ids], [steps[i] for i in ids]))
+        result = run_chunk(env, np.asarray(ids, dtype=np.int64), actions)
+        going = []
+        for row, i in enumerate(ids):
+            trace[i].append((obs.state[row] if obs.state is not None else None, actions[row],
+                             obs.images[row] if obs.images is not None else None))
+            steps[i] += int(result.mask[row].sum())
+            last = result.last_obs[row]
+            if result.terminated[row] or result.truncated[row]:
+                outcomes.add(env.tasks[i], episode[i], bool(result.success[row]), obs.instructions[row], trace[i], last)
+                trace[i], steps[i] = [], 0
+                episode[i] += n
+                if episode[i] >= cfg.episodes:
+                    continue
+                last = split_obs(env.reset([i], [mix_seed(seed, episode[i])]))[0]  # partial reset
+            going.append((i, last))
+        ids = [i for i, _ in going]
+        if ids:
+            obs = stack_obs([o for _, o in going])
 
 
 def evaluate(loaded: LoadedSpec, runs_root: Path, episodes: int, keep_failed: int = 3,
              deterministic: bool = True) -> Path:
-    """Run `episodes` episodes with the frozen policy; write `eval.json` and `failed/<task>-<n>.npz`
-    (with images, also `failures/<task>/<n>.gif`: the frames of the episode, as training keeps them)."""
+    """Run `episodes` episodes in this process; write `eval.json` and the failed trajectories (`Outcomes`)."""
+    from vlaslurm.slurm.plan import job_run_name
+
+    cfg = EvalConfig(episodes, keep_failed, deterministic)
     spec = loaded.spec
-    directory = rundir.new_run_dir(runs_root, f"{spec.name}-eval")
+    directory = rundir.new_run_dir(runs_root, job_run_name(spec.name, "eval"))
     env = make_env(spec.env, num_envs=min(spec.env.num_envs, episodes), rank=0, seed=spec.rollout.seed)
     policy = build_policy(spec.model, **env_dims(env, spec.env)).eval()
-    results: Dict[str, List[bool]] = defaultdict(list)
-    kept: Dict[str, int] = defaultdict(int)
-    frames = FailureKeeper(directory, keep_failed, background=False)
-    started = 0
-    ids = np.arange(env.num_envs)
-    obs = env.reset(ids, [mix_seed(spec.rollout.seed, int(i), 0) for i in ids])
-    started = env.num_envs
-    trace = {int(i): [] for i in ids}
-    while len(ids):
-        with torch.no_grad():
-            out = policy.act(PolicyInput(_tensor(obs.images), _tensor(obs.state), obs.instructions),
-                             deterministic=deterministic)
-        actions = out.actions.float().numpy()
-        result = run_chunk(env, ids, actions)
-        next_ids, next_obs = [], []
-        for row, i in enumerate(ids):
-            trace[int(i)].append((obs.state[row] if obs.state is not None else None, actions[row],
-                                  obs.images[row] if obs.images is not None else None))
-            last = result.last_obs[row]
-            if not (result.terminated[row] or result.truncated[row]):
-                next_ids.append(i)
-                next_obs.append(last)
-                continue
-            task, success = env.tasks[i], bool(result.success[row])
-            results[task].append(success)
-            if not success and kept[task] < keep_failed:
-                _save_failed(directory, task, kept[task], obs.instructions[row], trace[int(i)])
-                if last[0] is not None:  # the frames of every decision step and the final one
-                    frames.keep(task, str(kept[task]), np.stack([s[2] for s in trace[int(i)]] + [last[0]]))
-                kept[task] += 1
-            trace[int(i)] = []
-            if started < episodes:  # partial reset: this instance runs another episode
-                fresh = env.reset([i], [mix_seed(spec.rollout.seed, int(i), started)])
-                started += 1
-                next_ids.append(i)
-                next_obs.append((None if fresh.images is None else fresh.images[0],
-                                 None if fresh.state is None else fresh.state[0], fresh.instructions[0]))
-        ids = np.asarray(next_ids, dtype=np.int64)
-        if len(ids):
-            obs = _stack(next_obs)
-    env.close()
-    summary = {"spec": str(loaded.path), "episodes": sum(map(len, results.values())), "deterministic": deterministic,
-               "success": {t: float(np.mean(v)) for t, v in sorted(results.items())},
-               "episodes_per_task": {t: len(v) for t, v in sorted(results.items())}}
-    write_atomic(directory / EVAL_FILE, json.dumps(summary, indent=2).encode(), mode=0o644)
+    outcomes = Outcomes(directory, keep_failed)
+    try:
+        run_episodes(env, 0, spec.env.num_envs, cfg, spec.rollout.seed, local_act(policy, cfg, spec.rollout.seed),
+                     outcomes)
+    finally:
+        env.close()
+    write_summary(directory, str(loaded.path), cfg, [outcomes.to_json()])
     return directory
+
+
+def local_act(policy, cfg: EvalConfig, seed: int) -> Act:
+    """Actions from `policy` in this process (`--local`); a job's simulators ask their generator instead."""
+    def act(obs: Observation, decision: Decision) -> np.ndarray:
+        inp = PolicyInput(_tensor(obs.images), _tensor(obs.state), obs.instructions,
+                          torch.tensor(decision.seeds(seed), dtype=torch.int64))
+        with torch.no_grad():
+            return policy.act(inp, deterministic=cfg.deterministic).actions.float().numpy()
+
+    return act
+
+
+def write_summary(directory: Path, spec_path: str, cfg: EvalConfig, parts: List[Dict[str, Dict[str, bool]]]) -> dict:
+    """Merge the outcomes of every simulator rank into `eval.json`: success and episodes per task, and
+    each episode's success (`outcomes`, by task and episode number)."""
+    merged: Dict[str, Dict[str, bool]] = defaultdict(dict)
+    for part in parts:
+        for task, eps in part.items():
+            merged[task].update(eps)
+    outcomes = {task: dict(sorted(eps.items(), key=lambda kv: int(kv[0]))) for task, eps in sorted(merged.items())}
+    summary = {"spec": spec_path, "episodes": sum(map(len, outcomes.values())), "deterministic": cfg.deterministic,
+               "success": {t: float(np.mean(list(v.values()))) for t, v in outcomes.items()},
+               "episodes_per_task": {t: len(v) for t, v in outcomes.items()}, "outcomes": outcomes}
+    write_atomic(Path(directory) / EVAL_FILE, json.dumps(summary, indent=2).encode(), mode=0o644)
+    return summary
 
 
 def _tensor(array):
     return None if array is None else torch.from_numpy(np.ascontiguousarray(array))
 
 
-def _stack(items):
-    from vlaslurm.runtime.episodes import stack_obs
-
-    return stack_obs(items)
-
-
-def _save_failed(directory: Path, task: str, index: int, instruction: str, steps: list) -> None:
+def _save_failed(directory: Path, task: str, index: int, episode: int, instruction: str, steps: list) -> None:
     folder = directory / "failed"
     folder.mkdir(exist_ok=True)
     states = [s[0] for s in steps if s[0] is not None]
     np.savez_compressed(folder / f"{task}-{index}.npz", actions=np.stack([s[1] for s in steps]),
-                        states=np.stack(states) if states else np.zeros(0), instruction=np.asarray(instruction))
+                        states=np.stack(states) if states else np.zeros(0), instruction=np.asarray(instruction),
+                        episode=np.asarray(episode))
+
+
+# --- an eval job's ranks ----------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    """Entry point of an eval job's ranks: `python -m vlaslurm.runtime.evaluate --role R --run-dir D ...`
+    (rendered by `vlaslurm eval`; the same start as `vlaslurm.runtime.worker`, then the eval roles)."""
+    from vlaslurm.runtime import signals, worker
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("--role", required=True, choices=sorted(EVAL_ROLES))
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--rank-log", action="store_true", help="append output to <run-dir>/logs/<role>/<rank>.log")
+    parser.add_argument("--episodes", type=int, required=True)
+    parser.add_argument("--keep-failed", type=int, default=3)
+    parser.add_argument("--sample", action="store_true", help="sample actions instead of the mean")
+    args = parser.parse_args(argv)
+    signals.install(drain_on_term=False)  # USR2 never kills a rank; TERM ends it (nothing to save)
+    rank = rank_from_env()
+    if args.rank_log:
+        worker._append_output_to(args.run_dir / "logs" / args.role / f"{rank}.log")
+    worker._header(args.role, rank)
+    try:
+        cfg = EvalConfig(args.episodes, args.keep_failed, not args.sample)
+        return EVAL_ROLES[args.role](make_context(args.role, args.run_dir), cfg)
+    except Exception as exc:  # noqa: BLE001 - the last word of a rank must reach its log
+        log.error("eval %s failed: %s\n%s", args.role, exc, traceback.format_exc())
+        return 1
+
+
+def simulate(ctx: RankContext, cfg: EvalConfig) -> int:
+    """A simulator rank of an eval job: its environments' episodes, with actions from its generator;
+    rank 0 then merges every rank's outcomes into `eval.json`."""
+    from vlaslurm.envs import preflight
+    from vlaslurm.runtime.roles.simulator import _first_on_node
+
+    spec = ctx.spec
+    sims = ctx.info.ranks["simulator"]
+    local = spec.env.num_envs // sims
+    if _first_on_node(ctx) and os.environ.get("VLASLURM_PREFLIGHT", "on") != "off":
+        log.info("%s", preflight.check(spec.env).text())  # what is missing (Vulkan, EGL, assets), not a segfault
+    env = make_env(spec.env, num_envs=local, rank=ctx.rank, seed=spec.rollout.seed)
+    meet(ctx, ports={}, extra=env_dims(env, spec.env), roles=())  # no torch.distributed world: nothing to sync
+    outcomes = Outcomes(ctx.run_dir, cfg.keep_failed, first_index=ctx.rank * cfg.keep_failed)
+    client = _GeneratorClient(ctx, outcomes)
+    try:
+        run_episodes(env, ctx.rank * local, spec.env.num_envs, cfg, spec.rollout.seed, client.act, outcomes)
+        client.done()
+    finally:
+        env.close()
+        client.close()
+    write_atomic(_part(ctx.run_dir, ctx.rank), json.dumps(outcomes.to_json()).encode(), mode=0o644)
+    log.info("finished %d episodes", sum(map(len, outcomes.success.values())))
+    if ctx.rank == 0:
+        summary = write_summary(ctx.run_dir, ctx.info.spec_path, cfg, _gather_parts(ctx, sims))
+        log.info("success per task: %s", summary["success"])
+    return 0
+
+
+class _GeneratorClient:
+    """A simulator rank's line to its generator (rank % generators, as in the lock-step modes)."""
+
+    def __init__(self, ctx: RankContext, outcomes: Outcomes) -> None:
+        self.ctx, self.outcomes = ctx, outcomes
+        self.gen = ctx.rank % ctx.info.ranks["generator"]
+        self.dealer = Dealer(ctx.secret, identity=f"simulator-{ctx.rank}".encode(), name=f"obs->generator[{self.gen}]")
+        self.dealer.connect(ctx.member("generator", self.gen).endpoint("obs"))
+        self.heartbeat = Heartbeat(ctx.run_dir, "simulator", ctx.rank)
+        self.answered = False  # the first answer waits for the generator to load its policy
+
+    def act(self, obs: Observation, decision: Decision) -> np.ndarray:
+        req = msgs.ObsRequest(decision.gids, decision.episodes, decision.steps, decision.seeds(self.ctx.spec.rollout.seed),
+                              obs, sub_group=0, min_version=0, sim_rank=self.ctx.rank)
+        self.dealer.send(msgs.encode_obs(req))
+        limit = self.ctx.deadlines.running_s if self.answered else self.ctx.deadlines.first_s
+        end = time.monotonic() + limit
+        while (msg := self.dealer.recv(100)) is None or msg.kind != msgs.ACT:
+            if time.monotonic() > end:
+                raise TimeoutError(f"simulator[{self.ctx.rank}]: generator[{self.gen}] sent no actions for {limit:g} s "
+                                   f"(host {self.ctx.member('generator', self.gen).host})")
+        self.answered = True
+        self.heartbeat.beat(0, f"episodes={sum(map(len, self.outcomes.success.values()))}")
+        return msgs.decode_act(msg).actions
+
+    def done(self) -> None:
+        self.dealer.send(msgs.sim_done(self.ctx.rank, 0, 0))
+        self.heartbeat.beat(0, "finished", force=True)
+
+    def close(self) -> None:
+        self.dealer.close()  # lingers long enough to deliver `done`
+
+
+def _part(run_dir: Path, rank: int) -> Path:
+    folder = Path(run_dir) / PARTS_DIR
+    folder.mkdir(exist_ok=True)
+    return folder / f"sim-{rank}.json"
+
+
+def _gather_parts(ctx: RankContext, sims: int) -> List[dict]:
+    """Every simulator rank's outcomes; ranks still missing whose heartbeat stops for runtime.timeout_s are named."""
+    started = time.time()
+    while True:
+        missing = [r for r in range(sims) if not _part(ctx.run_dir, r).exists()]
+        if not missing:
+            return [json.loads(_part(ctx.run_dir, r).read_text()) for r in range(sims)]
+        beats = [ctx.run_dir / "heartbeats" / f"simulator-{r}.json" for r in missing]
+        silent = [r for r, b in zip(missing, beats) if time.time() - (b.stat().st_mtime if b.exists() else started)
+                  > ctx.deadlines.running_s]
+        if silent:
+            raise TimeoutError(f"simulator[0]: simulator ranks {silent} wrote no outcomes and no heartbeat for "
+                               f"{ctx.deadlines.running_s:g} s")
+        time.sleep(0.5)
+
+
+def serve(ctx: RankContext, cfg: EvalConfig) -> int:
+    """A generator rank of an eval job: `model.path` frozen (version 0) for its simulators, until each says done."""
+    from vlaslurm.runtime.roles.generator import Batcher, Pending, lockstep_clients
+
+    router = Router(ctx.secret, name=f"generator[{ctx.rank}]")
+    router.bind(ctx.address)
+    meet(ctx, ports={"obs": router.port}, roles=())
+    policy = build_policy(ctx.spec.model, **ctx.member("simulator", 0).extra).to(ctx.device).eval()
+    batching = ctx.spec.rollout.batching
+    clients = lockstep_clients("sync", ctx.rank, ctx.info.ranks)  # simulators route by rank, as in sync mode
+    batcher = Batcher(batching.max_batch, batching.max_wait_ms / 1000.0, clients)
+    heartbeat = Heartbeat(ctx.run_dir, "generator", ctx.rank)
+    done: set = set()
+    served, heard, limit = 0, time.monotonic(), ctx.deadlines.first_s
+    try:
+        while len(done) < clients:
+            got = router.recv(int(min(batcher.wait_s(0, time.monotonic()), 0.05) * 1000))
+            if got is not None:
+                heard, limit = time.monotonic(), ctx.deadlines.running_s
+                peer, msg = got
+                if msg.kind == msgs.SIM_DONE:
+                    done.add(int(msg.meta["sim_rank"]))
+                else:
+                    batcher.pending.append(Pending(peer, msgs.decode_obs(msg), time.monotonic()))
+            elif time.monotonic() - heard > limit:
+                raise TimeoutError(f"generator[{ctx.rank}]: {clients - len(done)} of its simulators sent nothing for "
+                                   f"{limit:g} s (done: {sorted(done)})")
+            if batcher.ready(0, time.monotonic()):
+                served += _serve_batch(ctx, policy, batcher.take(0), router, cfg)
+            heartbeat.beat(0, f"served={served}")
+    finally:
+        router.close()
+    heartbeat.beat(0, f"finished served={served}", force=True)
+    log.info("served %d decisions of a frozen %s", served, ctx.spec.model.type)
+    return 0
+
+
+def _serve_batch(ctx: RankContext, policy, batch: list, router: Router, cfg: EvalConfig) -> int:
+    """One forward for every request of `batch`; each simulator gets its rows back."""
+    from vlaslurm.runtime.roles.generator import to_policy_input
+
+    requests = [p.request for p in batch]
+    with torch.no_grad():
+        out = policy.act(to_policy_input(requests, ctx.device), deterministic=cfg.deterministic)
+    actions = out.actions.float().cpu().numpy()
+    start = 0
+    for p in batch:
+        n = len(p.request)
+        unused = np.zeros(n, np.float32)  # log-probs and values matter to a trainer only
+        router.send(p.peer, msgs.encode_act(msgs.ActReply(p.request.env_ids, 0, 0, actions[start:start + n], unused,
+                                                          unused, ctx.rank)))
+        start += n
+    return start
+
+
+EVAL_ROLES: Dict[str, Callable[[RankContext, EvalConfig], int]] = {"simulator": simulate, "generator": serve}
+
+if __name__ == "__main__":
+    sys.exit(main())

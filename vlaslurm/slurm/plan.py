@@ -13,6 +13,9 @@ layout decides the rest:
 - hybrid: simulator and generator on their own GPUs, the trainer one `--overlap`
   step over all their components, one rank per GPU (it trains between rollouts).
 
+An eval job (`vlaslurm eval`, kind "eval") is the same plan without the trainer: simulator and
+generator components and steps only, the generator serving `model.path` frozen.
+
 A step spanning several components is one `srun` in colon form, one part per
 component, so each part has its own task and GPU counts (slurm 22.05 ignores
 --ntasks for `srun --het-group=0,1` and launches each component's own count).
@@ -25,6 +28,7 @@ from typing import Dict, List, Optional, Tuple
 from vlaslurm.spec import LoadedSpec, RoleResources
 
 ROLE_ORDER = ("simulator", "generator", "trainer")
+JOB_ROLES = {"train": ROLE_ORDER, "eval": ("simulator", "generator")}  # the roles each kind of job runs
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,7 @@ class HetjobPlan:
     layout: str
     components: Tuple[Component, ...]
     steps: Tuple[Step, ...]
+    kind: str = "train"  # "train", or "eval": no trainer (see JOB_ROLES)
 
     def ranks(self) -> Dict[str, int]:
         """Ranks per role (the rendezvous expects exactly these)."""
@@ -93,16 +98,22 @@ class HetjobPlan:
         return next(step for step in self.steps if step.role == role)
 
 
-def build_plan(loaded: LoadedSpec) -> HetjobPlan:
-    """The hetjob plan of a validated spec."""
+def job_run_name(spec_name: str, kind: str = "train") -> str:
+    """The run name of a job of `kind`: the spec's name, or `<name>-eval` (local evals take the same name)."""
+    return spec_name if kind == "train" else f"{spec_name}-{kind}"
+
+
+def build_plan(loaded: LoadedSpec, kind: str = "train") -> HetjobPlan:
+    """The hetjob plan of a validated spec: a training job, or (`kind="eval"`) the same without the trainer."""
     spec = loaded.spec
     layout = spec.resources.layout
-    placed = {"collocated": ("simulator",), "hybrid": ("simulator", "generator")}.get(layout, ROLE_ORDER)
+    roles_of_job = JOB_ROLES[kind]
+    placed = {"collocated": ("simulator",), "hybrid": ("simulator", "generator")}.get(layout, roles_of_job)
     components: List[Component] = []
     holders: Dict[str, List[Component]] = {role: [] for role in placed}
     for name, roles in _groups(spec, placed).items():
         shared = min(spec.role_resources(r).nodes for r in roles)
-        shown = ROLE_ORDER if layout == "collocated" else roles
+        shown = roles_of_job if layout == "collocated" else roles
         name = "collocated" if layout == "collocated" else name
         comp = _component(loaded, len(components), name, roles, shown, shared)
         components.append(comp)
@@ -116,12 +127,12 @@ def build_plan(loaded: LoadedSpec) -> HetjobPlan:
                 holders[role].append(comp)
     steps = [_exclusive_step(spec, role, comps) for role, comps in holders.items()]
     if layout == "collocated":
-        steps += [_overlap_step(spec, role, components[:1], per_gpu=False) for role in ("generator", "trainer")]
-    elif layout == "hybrid":
+        steps += [_overlap_step(spec, role, components[:1], per_gpu=False) for role in roles_of_job[1:]]
+    elif layout == "hybrid" and "trainer" in roles_of_job:
         with_gpus = [c for c in components if c.gpus_per_node] or components
         steps.append(_overlap_step(spec, "trainer", with_gpus, per_gpu=True))
     steps.sort(key=lambda s: ROLE_ORDER.index(s.role))
-    return HetjobPlan(spec.name, layout, tuple(_room_for_overlap(components, steps)), tuple(steps))
+    return HetjobPlan(spec.name, layout, tuple(_room_for_overlap(components, steps)), tuple(steps), kind)
 
 
 def _room_for_overlap(components: List[Component], steps: List[Step]) -> List[Component]:

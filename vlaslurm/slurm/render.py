@@ -17,6 +17,8 @@ from vlaslurm.spec import LoadedSpec
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent.parent / "sbatch_templates"
 TEMPLATE_NAME = "hetjob.sbatch.j2"
 ENTRY_MODULE = "vlaslurm.runtime.worker"
+# What each rank runs, by the plan's kind: the roles, or (eval) the frozen policy's episodes without a trainer
+ENTRY_MODULES = {"train": ENTRY_MODULE, "eval": "vlaslurm.runtime.evaluate"}
 # #SBATCH values are parsed by sbatch, not a shell: allow only what needs no quoting there.
 _SBATCH_VALUE = re.compile(r"^[A-Za-z0-9._:,@+=\-/%\[\]|&()!*]+$")
 
@@ -68,7 +70,8 @@ def render_script(loaded: LoadedSpec, plan: HetjobPlan, options: RenderOptions) 
         python_q=shlex.quote(options.python),
         setup=[*_site_setup(loaded), *spec.slurm.setup],
         launch=launch,
-        entry_module=ENTRY_MODULE,
+        kind=plan.kind,
+        entry_module=ENTRY_MODULES[plan.kind],
         entry_args="".join(f" {shlex.quote(arg)}" for arg in options.entry_args),
         requeue_exit=REQUEUE_EXIT,
     )

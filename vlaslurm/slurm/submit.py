@@ -13,7 +13,7 @@ from vlaslurm.runtime.records import read_jsonl
 from vlaslurm.runtime.rendezvous import write_atomic
 from vlaslurm.runtime.secret import create_secret
 from vlaslurm.slurm.cluster import check_fits, default_partition, query_nodes, run_slurm
-from vlaslurm.slurm.plan import build_plan
+from vlaslurm.slurm.plan import build_plan, job_run_name
 from vlaslurm.slurm.render import RenderOptions, render_script
 from vlaslurm.spec import LoadedSpec
 from vlaslurm.spec.validate import check_model_path
@@ -51,12 +51,14 @@ def test_only(loaded: LoadedSpec, runs_root: Path) -> str:
 
 
 def submit(loaded: LoadedSpec, runs_root: Path, run_dir: Optional[Path] = None, entry_args: Sequence[str] = (),
-           sweep: Optional[str] = None) -> Submission:
+           sweep: Optional[str] = None, kind: str = "train") -> Submission:
     """Check the plan fits, write the run directory, and submit held; release once the directory is final.
 
     With no `run_dir`, the directory is renamed to `<stamp>-<jobid>` while the job is held, so the
     script (which computes the same name from $SLURM_JOB_ID) never starts before it exists.
     With `resources.placement: auto` the spec is reloaded with the chosen placement's overrides.
+    `kind="eval"` submits the job without its trainer (`vlaslurm eval`; `entry_args` carry the eval's config),
+    named `<name>-eval`.
     """
     if loaded.spec.resources.placement == "auto":
         from vlaslurm.placement.commands import auto_overrides
@@ -64,10 +66,11 @@ def submit(loaded: LoadedSpec, runs_root: Path, run_dir: Optional[Path] = None, 
 
         loaded = load_spec(loaded.path, [*loaded.overrides, *auto_overrides(loaded, runs_root)], site=loaded.site)
     check_model_path(loaded)
-    plan = build_plan(loaded)
+    plan = build_plan(loaded, kind)
     check_fits(loaded, plan, query_nodes(), default_partition())
     explicit = run_dir is not None
-    directory = rundir.claim_run_dir(run_dir) if explicit else rundir.new_run_dir(runs_root, loaded.spec.name)
+    name = job_run_name(loaded.spec.name, kind)
+    directory = rundir.claim_run_dir(run_dir) if explicit else rundir.new_run_dir(runs_root, name)
     script = render_script(loaded, plan, RenderOptions(run_dir=directory, job_id_suffix=not explicit,
                                                        entry_args=entry_args))
     _prepare(directory, loaded, script)
@@ -76,7 +79,7 @@ def submit(loaded: LoadedSpec, runs_root: Path, run_dir: Optional[Path] = None, 
         final = directory.with_name(f"{directory.name}-{job_id}")
         directory.rename(final)
         directory = final
-    info = rundir.RunInfo(name=loaded.spec.name, run_dir=str(directory.resolve()), kind="slurm", job_id=job_id,
+    info = rundir.RunInfo(name=name, run_dir=str(directory.resolve()), kind="slurm", job_id=job_id,
                           spec_path=str(loaded.path), overrides=list(loaded.overrides), ranks=plan.ranks(),
                           sweep=sweep)
     rundir.write_info(info)
