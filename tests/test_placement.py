@@ -371,3 +371,13 @@ def test_an_old_profile_is_not_reused_and_still_loads_without_a_cpu_bound(measur
     pred = simulate(Candidate("async", "disaggregated", 1, 1, 1, 1, 8, 0), Workload.from_spec(loaded.spec), costs,
                     updates=6)
     assert pred.cpu_bound == math.inf and pred.cpu == {}
+
+
+def test_profile_wall_times_leave_out_waiting_for_a_cpu_that_other_work_held(monkeypatch) -> None:
+    from vlaslurm.placement import profile as prof
+
+    # 300 ms of wall, of which the thread waited 200 ms runnable (a busy host): 100 ms is the role's cost.
+    monkeypatch.setattr(prof, "_clock", lambda: (10.3, 1.1, 0.7))
+    assert prof._since((10.0, 1.0, 0.5)) == pytest.approx((0.1, 0.1))
+    monkeypatch.undo()
+    assert prof._runqueue_wait() >= 0.0  # readable here (Linux); 0 where schedstat is missing

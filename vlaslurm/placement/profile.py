@@ -31,7 +31,7 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -184,7 +184,7 @@ def measure(spec, roles: Sequence[str] = ROLES, budget_s: float = 60.0) -> Dict[
     out["trainer"] = _measure_trainer(spec, dims, obs, device, share)
     out["weights"] = _measure_weights(policy, device)
     out["transport"] = _measure_transport(spec, obs, dims)
-    out["overhead"] = _overhead(spec, obs, dims, out["transport"])
+    out["overhead"] = _overhead(spec, obs, dims, out["transport"], sim.get("run_chunk_cpu_s", 0.0))
     out["cpu_count"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return out
 
@@ -208,11 +208,32 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def _timed_cpu(fn: Callable[[], Any]) -> tuple:
-    """(wall, CPU) seconds of one call; CPU counts every thread of this process (torch's, zmq's)."""
-    wall, cpu = time.perf_counter(), time.process_time()
+def _runqueue_wait() -> float:
+    """Seconds this thread has so far waited for a CPU while runnable (Linux schedstat; 0 elsewhere)."""
+    try:
+        with open("/proc/thread-self/schedstat") as handle:
+            return int(handle.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _clock() -> Tuple[float, float, float]:
+    return time.perf_counter(), time.process_time(), _runqueue_wait()
+
+
+def _since(start: Tuple[float, float, float]) -> Tuple[float, float]:
+    """(wall, CPU) seconds since `_clock()`. The wall leaves out the time the thread waited for a CPU that
+    other work held: the profile is cached and reused, so a busy moment must not become the role's cost
+    (the model adds contention between the run's own roles itself, from the CPU seconds). CPU counts
+    every thread of this process (torch's, zmq's)."""
+    wall, cpu, wait = _clock()
+    return max(0.0, wall - start[0] - (wait - start[2])), cpu - start[1]
+
+
+def _timed_cpu(fn: Callable[[], Any]) -> Tuple[float, float]:
+    start = _clock()
     fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
+    return _since(start)
 
 
 def _cpu_per_call(fn: Callable[[], Any], rounds: int) -> float:
@@ -251,9 +272,9 @@ def _measure_simulator(spec, budget_s: float) -> Dict[str, Any]:
         deadline = time.perf_counter() + budget_s / (2 * len(counts))
         while len(samples) < 200 and (len(samples) < 10 or time.perf_counter() < deadline):
             actions = rng.uniform(-1, 1, (n, env.action_dim)).astype(np.float32)
-            start = time.perf_counter()
+            start = _clock()
             res = env.step(ids, actions)
-            samples.append(time.perf_counter() - start)
+            samples.append(_since(start)[0])
             elapsed += 1
             ended = np.flatnonzero(res.terminated | res.truncated)
             if len(ended):
@@ -264,6 +285,7 @@ def _measure_simulator(spec, budget_s: float) -> Dict[str, Any]:
         if n != counts[-1]:
             env.close()
     per_instance = _per_instance(env, counts[-1], rng, budget_s / 2)
+    run_chunk_cpu = _run_chunk_cpu(env, spec.model.action_chunk, rng)
     dims = env_dims(env, spec.env)
     final_obs = env.reset(list(range(counts[-1])))
     env.close()
@@ -273,14 +295,30 @@ def _measure_simulator(spec, budget_s: float) -> Dict[str, Any]:
             "reset_s": float(np.mean(reset_times)) if reset_times else 0.0,
             "episode_len": episode_lens[:500] or [spec.env.max_episode_steps],
             "memory": {"base": max(0.0, memory[str(sizes[0])] - per_env * sizes[0]), "per_env": max(0.0, per_env)},
+            "run_chunk_cpu_s": run_chunk_cpu,
             "_dims": dims, "_obs": final_obs}
+
+
+def _run_chunk_cpu(env, chunk: int, rng, rounds: int = 200) -> float:
+    """CPU seconds of run_chunk's own work per instance and decision: it drives a replay of one real step
+    result (no episode end), so what is timed is the runtime's loop around `env.step`, not the simulator."""
+    from vlaslurm.runtime.episodes import run_chunk
+
+    env.reset([0])
+    action = rng.uniform(-1, 1, (1, env.action_dim)).astype(np.float32)
+    res = env.step([0], action)
+    res = dataclasses.replace(res, terminated=np.zeros(1, bool), truncated=np.zeros(1, bool))
+    replay = type("Replay", (), {"action_dim": env.action_dim, "step": lambda self, ids, actions: res})()
+    actions = np.zeros((1, chunk, env.action_dim), np.float32)
+    return _cpu_per_call(lambda: run_chunk(replay, np.zeros(1, int), actions), rounds)
 
 
 def _per_instance(env, n: int, rng, budget_s: float) -> Dict[str, Any]:
     """Each instance stepped alone, so slow instances and the tail show.
 
     A thread-safe simulator is stepped from one thread per instance at once, as async
-    mode steps it (contention included); any other one instance after another.
+    mode steps it (contention included, so its wall times keep the CPU waits); any other
+    one instance after another.
     """
     rows: List[List[float]] = [[] for _ in range(n)]
     cpu: List[float] = []
@@ -292,10 +330,11 @@ def _per_instance(env, n: int, rng, budget_s: float) -> Dict[str, Any]:
         local = np.random.default_rng(int(seeds[i]))
         for _ in range(rounds):
             action = local.uniform(-1, 1, (1, env.action_dim)).astype(np.float32)
-            start, cpu0 = time.perf_counter(), time.process_time()
+            start = _clock()
             res = env.step([i], action)
-            rows[i].append(time.perf_counter() - start)
-            cpu.append(time.process_time() - cpu0)
+            wall, used = _since(start)
+            rows[i].append(wall)
+            cpu.append(used)
             if res.terminated[0] or res.truncated[0]:
                 env.reset([i])
 
@@ -347,12 +386,13 @@ def _threaded_steps(env, n: int, rows: List[List[float]], seeds, deadline: float
     return latencies
 
 
-def _overhead(spec, obs, dims, transport: Dict[str, Any]) -> Dict[str, float]:
+def _overhead(spec, obs, dims, transport: Dict[str, Any], run_chunk_s: float) -> Dict[str, float]:
     """The runtime's own CPU per decision, per role that pays it (CPU seconds on this node).
 
     - simulator, per request: build and encode the observation, the signed round trip
       through real sockets (client side), decode the actions;
-    - simulator, per instance and decision: EnvTrack.record, and encoding the segments it ships;
+    - simulator, per instance and decision: run_chunk's loop around the steps (`run_chunk_s`),
+      EnvTrack.record, and encoding the segments it ships;
     - generator, per request: its side of the round trip (receive, verify, sign, send)
       and decoding the observation, encoding the actions;
     - trainer, per segment: verify and decode it.
@@ -383,7 +423,7 @@ def _overhead(spec, obs, dims, transport: Dict[str, Any]) -> Dict[str, float]:
     seg_encode = _cpu_per_call(lambda: encode(msgs.encode_segment(sample), key), 50)
     seg_decode = _cpu_per_call(lambda: msgs.decode_segment(decode(wire, key)), 50)
     return {"sim_request_cpu_s": transport["client_cpu_s"] + sim_payload,
-            "record_cpu_s": record + seg_encode * len(segments) / rounds,
+            "record_cpu_s": run_chunk_s + record + seg_encode * len(segments) / rounds,
             "gen_serve_cpu_s": transport["server_cpu_s"] + gen_payload, "segment_cpu_s": seg_decode}
 
 
