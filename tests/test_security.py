@@ -3,6 +3,8 @@
 The refusal is checked at the role level: while a real local run is going, a client with a wrong key
 and one with no MAC at all talk to the running generator and trainer; both ranks drop the messages,
 log them with the peer, count them, and the run finishes unharmed (no forged segment in the ledger).
+Meanwhile every rank's listening sockets (ZeroMQ, the TCPStore, gloo), read from /proc, are bound to
+its own address, none to every interface.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pathlib import Path
 import msgpack
 import zmq
 
+from listen_helpers import is_wildcard, listening
 from runtime_helpers import run_spec, synthetic_spec, wait_for
 from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime.transport import Dealer, Message, Push
@@ -35,6 +38,7 @@ def test_wrong_or_missing_secret_is_refused_and_logged(tmp_path: Path) -> None:
     try:
         wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 60, "first update")
         gen, trainer = member(run_dir, "generator"), member(run_dir, "trainer")
+        sockets = {role: listening(member(run_dir, role)["pid"]) for role in ("simulator", "generator", "trainer")}
         wrong = os.urandom(32)
         request = Message(msgs.OBS, {"env_ids": [0], "episodes": [0], "steps": [0], "seeds": [0], "instructions": ["x"],
                                      "sub_group": 0, "min_version": 0, "sent_at": 0.0, "sim_rank": 0})
@@ -55,6 +59,11 @@ def test_wrong_or_missing_secret_is_refused_and_logged(tmp_path: Path) -> None:
         runner.join(120)
     run = result["run"]
     assert run.rc == 0, run.log("trainer", 0)[-2000:]
+    assert (trainer["address"], trainer["ports"]["store"]) in sockets["trainer"]  # the TCPStore, on trainer[0]
+    assert (trainer["address"], trainer["ports"]["segments"]) in sockets["trainer"]
+    assert (gen["address"], gen["ports"]["obs"]) in sockets["generator"]
+    wildcard = {role: [s for s in found if is_wildcard(s[0])] for role, found in sockets.items()}
+    assert wildcard == {"simulator": [], "generator": [], "trainer": []}, sockets
     gen_log, trainer_log = run.log("generator", 0), run.log("trainer", 0)
     assert "dropped message from peer" in gen_log and "bad MAC" in gen_log
     assert "envelope lacks a signed header or a MAC" in gen_log

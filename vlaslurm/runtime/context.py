@@ -104,5 +104,5 @@ def meet(ctx: RankContext, ports: Dict[str, int], extra: Optional[dict] = None,
         return
     members = ctx.members if roles is None else {k: m for k, m in ctx.members.items() if k[0] in roles}
     backend = rdist.world_backend(ctx.device.type == "cuda")
-    ctx.world = rdist.init_world(members, me, backend, ctx.deadlines.first_s, store=store)
+    ctx.world = rdist.init_world(members, me, backend, ctx.deadlines.first_s, store=store, secret=ctx.secret)
     log.info("met %d ranks in %s", len(ctx.members), ctx.rendezvous.directory)

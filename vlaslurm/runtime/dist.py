@@ -17,10 +17,35 @@ Backends: every rank runs gloo for CPU tensors under the same store prefix,
 so `world_barrier` and CPU collectives work across all roles, including
 ranks that also run NCCL (``cpu:gloo,cuda:nccl``). Issue CUDA collectives only
 on subgroups whose members all have NCCL (`new_subgroup(..., backend="nccl")`).
+
+Locking the store down. A TCPStore has no authentication, and (torch 2.13)
+any client that reaches its port can `list_keys()`, read and overwrite every
+key (gloo's listener addresses, NCCL unique ids, the weight-sync handshake).
+So:
+
+- `host_store` binds the listening socket itself, to the rank's own address
+  (IPv4 or IPv6), and hands it to the TCPStore (``master_listen_fd``); torch
+  alone would listen on every interface (``[::]``).
+- `init_world` gives c10d and vlaslurm a `SealedStore` under a prefix derived
+  from the run secret (`store_prefix`): every value is AES-GCM encrypted and
+  authenticated with a key derived from the secret, bound to its key name. A
+  client without the secret sees only opaque names and ciphertext; a value it
+  writes or moves fails authentication and stops the reading rank with a
+  `StoreTampered` error naming the key, instead of being used.
+- gloo listens on the interface that holds the rank's address
+  (``GLOO_SOCKET_IFNAME``, unless the user set it).
+
+What it does not protect: anyone who reaches the port can still flood the
+store, delete keys or replay an old value of the same key, so the job can be
+made to fail (it fails with a message, never with forged data); samples and
+weights never travel through the store (they go over the signed ZeroMQ
+sockets, or NCCL/gloo between the ranks).
 """
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,16 +53,25 @@ from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+from cryptography.exceptions import InvalidTag  # installed with mlflow; AES-GCM is not in the stdlib
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from vlaslurm.runtime.netaddr import interface_of
 from vlaslurm.runtime.rendezvous import ROLE_ORDER, Key, Member, global_rank, role_rank
+from vlaslurm.runtime.secret import derive_key
 
 log = logging.getLogger("vlaslurm.dist")
 
 STORE_PORT = "store"
+_LIVE_STORES: list[dist.Store] = []
 
 
 class WorldError(RuntimeError):
     """The distributed world could not be formed; the message says who or what is wrong."""
+
+
+class StoreTampered(RuntimeError):
+    """A value in the TCPStore was not written by a holder of the run secret."""
 
 
 @dataclass
@@ -51,7 +85,7 @@ class World:
     backend: str
     expected: dict[str, int]
     store: dist.Store
-    """The TCPStore of global rank 0, shared by all ranks (use a PrefixStore for your keys)."""
+    """The sealed store over global rank 0's TCPStore, shared by all ranks (use a PrefixStore for your keys)."""
 
     def ranks_of(self, role: str) -> list[int]:
         """Global ranks of every rank of `role`, in role-rank order."""
@@ -66,6 +100,7 @@ class World:
         """Destroy the default process group (idempotent)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+        _LIVE_STORES.clear()
 
 
 def world_backend(use_cuda: bool) -> str:
@@ -76,12 +111,34 @@ def world_backend(use_cuda: bool) -> str:
 
 
 def host_store(address: str, timeout_s: float) -> dist.TCPStore:
-    """Global rank 0 only, before joining the rendezvous: start the TCPStore on a free port.
+    """Global rank 0 only, before joining the rendezvous: start the TCPStore on a free port of `address`.
 
-    `address` is the rank's bind address (what it advertises in its Member).
+    `address` is the rank's bind address (what it advertises in its Member); the
+    store listens there only, not on every interface.
     """
-    return dist.TCPStore(address, 0, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s))
+    last: RuntimeError | None = None
+    for use_libuv in (True, False):  # libuv is torch's default server; the other one also takes a socket
+        listener = _listen(address)
+        try:
+            return dist.TCPStore(address, listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                                 timeout=timedelta(seconds=timeout_s), use_libuv=use_libuv,
+                                 master_listen_fd=listener.detach())  # the store owns (and closes) the fd
+        except RuntimeError as err:
+            log.warning("TCPStore(use_libuv=%s) on %s failed: %s", use_libuv, address, err)
+            last = err
+    raise WorldError(f"cannot start the TCPStore on {address}: {last}")
+
+
+def _listen(address: str) -> socket.socket:
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.bind(sockaddr)
+        listener.listen(socket.SOMAXCONN)
+    except OSError as err:
+        listener.close()
+        raise WorldError(f"cannot bind the TCPStore to {address}: {err}") from err
+    return listener
 
 
 def store_ports(store: dist.TCPStore | None) -> dict[str, int]:
@@ -120,10 +177,13 @@ def _connect_store(members: Mapping[Key, Member], expected: Mapping[str, int], t
 
 
 def init_world(members: Mapping[Key, Member], me: Member | Key, backend: str, timeout_s: float,
-               store: dist.TCPStore | None = None, device_id: torch.device | None = None) -> World:
+               store: dist.TCPStore | None = None, device_id: torch.device | None = None, *,
+               secret: bytes) -> World:
     """Initialise the default process group over all `members` (the result of Rendezvous.wait).
 
-    `store` is the TCPStore from `host_store` on global rank 0 and must be None elsewhere.
+    `store` is the TCPStore from `host_store` on global rank 0 and must be None elsewhere;
+    `secret` is the run secret: every key the world writes goes under `store_prefix(secret)`
+    and every value is sealed with a key derived from it (see the module docstring).
     """
     role, local = me.key if isinstance(me, Member) else me
     expected = expected_from(members)
@@ -132,13 +192,120 @@ def init_world(members: Mapping[Key, Member], me: Member | Key, backend: str, ti
         raise WorldError("global rank 0 must pass the store it created with host_store() before joining")
     if rank != 0 and store is not None:
         raise WorldError(f"{role}[{local}] is global rank {rank}; only global rank 0 hosts the store")
-    store = store or _connect_store(members, expected, timeout_s)
+    sealed = job_store(store or _connect_store(members, expected, timeout_s), secret)
+    _LIVE_STORES.append(sealed)  # c10d keeps only the C++ half of a Python store: keep the Python half alive
+    _pin_gloo(members[(role, local)].address)
     size = sum(expected.values())
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+    dist.init_process_group(backend, store=sealed, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s), device_id=device_id)
     log.info("%s[%d]: joined world as rank %d/%d (%s)", role, local, rank, size, backend)
     return World(role=role, role_rank=local, rank=rank, world_size=size, backend=backend,
-                 expected=expected, store=store)
+                 expected=expected, store=sealed)
+
+
+def _pin_gloo(address: str) -> None:
+    """Make gloo listen on the interface of `address` (it would use the hostname's address otherwise)."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return  # the user's choice (e.g. a site profile) wins
+    interface = interface_of(address)
+    if interface is None:
+        log.warning("no network interface holds %s; gloo listens on the hostname's address", address)
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+STORE_LABEL = "vlaslurm/tcpstore/v1"
+
+
+def store_prefix(secret: bytes) -> str:
+    """The namespace of every key the job writes: hex HMAC of a fixed label under the run secret."""
+    return derive_key(secret, STORE_LABEL + "/prefix").hex()
+
+
+def job_store(raw: dist.Store, secret: bytes) -> "SealedStore":
+    """`raw` (the TCPStore) as the job sees it: keys under `store_prefix`, values sealed."""
+    return SealedStore(dist.PrefixStore(store_prefix(secret), raw), derive_key(secret, STORE_LABEL + "/seal"))
+
+
+class SealedStore(dist.Store):
+    """A store whose values are AES-GCM sealed, bound to their key name; c10d and gloo use it like any store.
+
+    Counters (`add`) and `compare_set` are compare-and-swap loops over sealed values, so they stay atomic.
+    """
+
+    def __init__(self, inner: dist.Store, key: bytes) -> None:
+        super().__init__()
+        self._inner, self._key, self._aead = inner, key, AESGCM(key)
+
+    def _seal(self, name: str, value: bytes | str) -> bytes:
+        nonce = os.urandom(12)  # random, so two writes of one value differ (the CAS loops rely on it)
+        plain = value.encode() if isinstance(value, str) else bytes(value)
+        return nonce + self._aead.encrypt(nonce, plain, name.encode())
+
+    def _open(self, name: str, raw: bytes) -> bytes:
+        try:
+            return self._aead.decrypt(raw[:12], raw[12:], name.encode())
+        except (InvalidTag, ValueError) as err:
+            raise StoreTampered(
+                f"TCPStore key {name!r} holds a value not sealed with this run's secret: another client "
+                "wrote to the job's store; the job cannot trust it (its port is reachable from this network)"
+            ) from err
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self._inner.set(key, self._seal(key, value))
+
+    def get(self, key: str) -> bytes:
+        return self._open(key, self._inner.get(key))
+
+    def _current(self, key: str) -> bytes:
+        return self._inner.get(key) if self._inner.check([key]) else b""
+
+    def add(self, key: str, amount: int) -> int:
+        raw = self._current(key)
+        while True:
+            total = (int(self._open(key, raw)) if raw else 0) + amount
+            new = self._seal(key, str(total))
+            got = self._inner.compare_set(key, raw, new)
+            if got == new:
+                return total
+            raw = b"" if got == raw else got  # got == raw: the key was deleted meanwhile
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        expected = expected.encode() if isinstance(expected, str) else bytes(expected)
+        raw = self._current(key)
+        while True:
+            current = self._open(key, raw) if raw else None
+            if current is None and expected:  # c10d: a missing key only matches an empty expectation
+                return expected
+            if current is not None and current != expected:
+                return current
+            new = self._seal(key, desired)
+            got = self._inner.compare_set(key, raw, new)
+            if got == new:
+                return self._open(key, new)
+            raw = b"" if got == raw else got
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._inner.wait(keys) if timeout is None else self._inner.wait(keys, timeout)
+
+    # c10d's trampoline calls these two by their C++ names (store.delete_key / num_keys land here)
+    def deleteKey(self, key: str) -> bool:  # noqa: N802
+        return self._inner.delete_key(key)
+
+    def getNumKeys(self) -> int:  # noqa: N802
+        return self._inner.num_keys()
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(key) for key in keys]
+
+    def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
+        self._inner.multi_set(keys, [self._seal(k, v) for k, v in zip(keys, values)])
+
+    def clone(self) -> "SealedStore":
+        return SealedStore(self._inner.clone(), self._key)
 
 
 def new_subgroup(ranks: Sequence[int], backend: str | None = None,

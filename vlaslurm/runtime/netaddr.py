@@ -48,6 +48,19 @@ def interface_address(name: str) -> str | None:
         return None
 
 
+def interface_of(address: str) -> str | None:
+    """The network interface that holds IPv4 `address` (``lo`` for any loopback address), or None."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return None
+    for _, name in socket.if_nameindex():
+        held = interface_address(name)
+        if held is not None and (held == address or (ip.is_loopback and ipaddress.ip_address(held).is_loopback)):
+            return name
+    return None
+
+
 def _is_ip(text: str) -> bool:
     try:
         ipaddress.IPv4Address(text)

@@ -8,10 +8,13 @@ secret already exists: no reader ever sees a half-written or world-readable
 secret, and two creators cannot overwrite each other.
 
 Ranks call `load_secret(run_dir)`, which refuses a file that group or others
-could read.
+could read. `derive_key(secret, label)` gives each other use of the secret
+(e.g. the distributed store's seal) its own key, so no two uses share one.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import secrets
 import stat
@@ -96,3 +99,8 @@ def _parse(path: Path, text: str) -> bytes:
     if len(key) != SECRET_BYTES:
         raise SecretError(f"run secret {path} holds {len(key)} bytes; expected {SECRET_BYTES}")
     return key
+
+
+def derive_key(secret: bytes, label: str) -> bytes:
+    """A 32-byte key for one use of the run secret, named by `label` (HMAC-SHA256 of the label)."""
+    return hmac.new(secret, label.encode(), hashlib.sha256).digest()
