@@ -99,7 +99,7 @@ class Prediction:
     sim_seconds: float
     cpu: Dict[str, float] = field(default_factory=dict)  # cores each role keeps busy at `sps`
     cpu_bound: float = math.inf  # env steps/s the shared cores allow (inf: CPU not measured)
-    spread: float = 0.0  # relative standard error of `sps` over the simulated report intervals
+    spread: float = 0.0  # relative standard error of `sps` (batch means over time windows, `_spread`)
 
 
 def cpu_pools(cand: Candidate, work: Workload, host_cores: Optional[float]) -> List[Tuple[Tuple[str, ...], float]]:
