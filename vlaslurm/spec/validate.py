@@ -73,7 +73,8 @@ def _check_counts(loaded: "LoadedSpec") -> None:
     _positive(loaded, ["env.num_envs", "env.max_episode_steps", "rollout.total_env_steps", "rollout.pipeline_depth",
                        "rollout.batching.max_batch", "model.action_chunk", "model.action_dim", "algo.steps_per_update",
                        "algo.epochs", "algo.minibatches", "checkpoint.every_versions", "checkpoint.keep"])
-    _positive(loaded, ["rollout.max_staleness", "rollout.batching.max_wait_ms", "env.obs.image_size"], minimum=0)
+    _positive(loaded, ["rollout.max_staleness", "rollout.batching.max_wait_ms", "env.obs.image_size",
+                       "tracking.failures_per_task"], minimum=0)
     _positive(loaded, ["runtime.first_meeting_timeout_s", "runtime.timeout_s"], minimum=1)
     if loaded.spec.algo.lr <= 0:
         raise loaded.error("algo.lr", f"must be greater than 0, got {loaded.spec.algo.lr}")
