@@ -218,8 +218,8 @@ def main(argv=None) -> int:
     signals.install(drain_on_term=False)  # USR2 never kills a rank; TERM ends it (nothing to save)
     rank = rank_from_env()
     if args.rank_log:
-        worker._append_output_to(args.run_dir / "logs" / args.role / f"{rank}.log")
-    worker._header(args.role, rank)
+        worker.append_output_to(args.run_dir / "logs" / args.role / f"{rank}.log")
+    worker.log_start_line(args.role, rank)
     try:
         cfg = EvalConfig(args.episodes, args.keep_failed, not args.sample)
         return EVAL_ROLES[args.role](make_context(args.role, args.run_dir), cfg)

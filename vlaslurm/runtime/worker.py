@@ -55,8 +55,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     signals.install(drain_on_term=args.role == "trainer")
     rank = rank_from_env()
     if args.rank_log:
-        _append_output_to(args.run_dir / "logs" / args.role / f"{rank}.log")
-    _header(args.role, rank)
+        append_output_to(args.run_dir / "logs" / args.role / f"{rank}.log")
+    log_start_line(args.role, rank)
     if not args.probe and RESTART_ENV not in os.environ:
         restarts = _max_restarts(args.run_dir, args.role)
         if restarts > 0:
@@ -78,7 +78,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
 
 
-def _header(role: str, rank: int) -> None:
+def log_start_line(role: str, rank: int) -> None:
     """One line per process start, so an appended log shows where each attempt and restart begins."""
     sys.stderr.write(f"==== {role}[{rank}] pid {os.getpid()} on {socket.gethostname()} at "
                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}: job key {os.environ.get('VLASLURM_JOB_KEY', '-')}, "
@@ -130,7 +130,7 @@ def supervise(argv: List[str], role: str, rank: int, max_restarts: int, run_dir:
             handle.write(line + "\n")
 
 
-def _append_output_to(path: Path) -> None:
+def append_output_to(path: Path) -> None:
     """Point this process's stdout and stderr (file descriptors 1 and 2) at `path`, appending."""
     path.parent.mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()
