@@ -153,6 +153,24 @@ def stack_rows(ids, rows: list, instructions: list):
                        instructions=[instructions[i] for i in ids])
 
 
+def step_result(ids, rows: list, elapsed, max_episode_steps: int, instructions: list):
+    """The StepResult of instance replies `(images, state, reward, success, limit)`.
+
+    Success ends an episode (terminated, and reported as success); it is truncated at
+    `max_episode_steps` of its own steps (`elapsed`, this step counted) or at the simulator's own
+    limit (`limit`), but never when it also terminated.
+    """
+    import numpy as np
+
+    from vlaslurm.envs.base import StepResult
+
+    terminated = np.array([r[3] for r in rows], bool)
+    limit = np.array([r[4] for r in rows], bool)
+    truncated = ((np.asarray(elapsed) >= max_episode_steps) | limit) & ~terminated
+    reward = np.array([r[2] for r in rows], np.float32)
+    return StepResult(stack_rows(ids, rows, instructions), reward, terminated, truncated, terminated.copy())
+
+
 def close_all(handles: list) -> None:
     """Close every instance process."""
     for handle in handles:

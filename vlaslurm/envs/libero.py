@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from vlaslurm.envs._procs import call_each, check_ids, close_all, reset_seeds, stack_rows, start_all
+from vlaslurm.envs._procs import call_each, check_ids, close_all, reset_seeds, stack_rows, start_all, step_result
 from vlaslurm.envs.base import Observation, StepResult
 from vlaslurm.spec.env_types import LiberoEnvConfig
 
@@ -63,6 +63,30 @@ def quat_to_axis_angle(quat: np.ndarray) -> np.ndarray:
     if math.isclose(den, 0.0):
         return np.zeros(3)
     return quat[:3] * 2.0 * math.acos(quat[3]) / den
+
+
+def choose_egl_device(environ: Dict[str, str]) -> None:
+    """Make robosuite render on an EGL device that exists (call before importing robosuite).
+
+    Without MUJOCO_EGL_DEVICE_ID, robosuite renders on EGL device number `int(first id in
+    CUDA_VISIBLE_DEVICES)`. Under Slurm a rank's CUDA_VISIBLE_DEVICES names its GPU (say 5) while
+    EGL lists only the devices this process may use (or one software device on a CPU node), so
+    robosuite fails with "MUJOCO_EGL_DEVICE_ID ... must be between 0 and 0". Then this process,
+    which simulates on the CPU, renders on EGL device 0 (the first device it may use), and drops
+    CUDA_VISIBLE_DEVICES because robosuite insists that MUJOCO_EGL_DEVICE_ID is one of its ids.
+    An explicit MUJOCO_EGL_DEVICE_ID, or a CUDA id that is a valid EGL device, is left alone.
+    """
+    visible = environ.get("CUDA_VISIBLE_DEVICES", "")
+    if environ.get("MUJOCO_EGL_DEVICE_ID") or not visible:
+        return
+    environ.setdefault("PYOPENGL_PLATFORM", "egl")
+    from mujoco.egl import egl_ext
+
+    first = visible.split(",")[0].strip()
+    if first.isdigit() and int(first) < len(egl_ext.eglQueryDevicesEXT()):
+        return
+    del environ["CUDA_VISIBLE_DEVICES"]
+    environ["MUJOCO_EGL_DEVICE_ID"] = "0"
 
 
 def task_pairs(cfg: LiberoEnvConfig, benchmark_dict: Dict[str, Any]) -> List[Tuple[str, int]]:
@@ -91,6 +115,8 @@ class LiberoInstance:
         os.environ["MUJOCO_GL"] = cfg.mujoco_gl
         if cfg.mujoco_gl == "osmesa":
             os.environ.setdefault("PYOPENGL_PLATFORM", "osmesa")
+        else:
+            choose_egl_device(os.environ)
         from libero.libero import benchmark, get_libero_path
         from libero.libero.envs import OffScreenRenderEnv
         from libero.libero.envs.env_wrapper import ControlEnv
@@ -167,29 +193,20 @@ class LiberoVecEnv:
             raise ValueError(f"reset got {len(ids)} env_ids but {len(seeds)} seeds")
         rows = call_each(self.workers, ids, "reset", reset_seeds(ids, seeds))
         self._elapsed[ids] = 0
-        return self._observation(ids, rows)
+        return stack_rows(ids, rows, self.instructions)
 
     def step(self, env_ids: Sequence[int], actions: np.ndarray) -> StepResult:
         ids = check_ids(env_ids, self.num_envs)
         actions = np.asarray(actions, np.float32)
         if actions.shape != (len(ids), ACTION_DIM):
             raise ValueError(f"actions must have shape ({len(ids)}, {ACTION_DIM}), got {actions.shape}")
-        rows = call_each(self.workers, ids, "step", actions)
+        rows = call_each(self.workers, ids, "step", actions)  # the limit in a reply: robosuite's own horizon
         self._elapsed[ids] += 1
-        terminated = np.array([r[3] for r in rows], bool)  # success ends a LIBERO episode
-        horizon = np.array([r[4] for r in rows], bool)  # robosuite's own horizon, if it comes first
-        truncated = ((self._elapsed[ids] >= self.cfg.max_episode_steps) | horizon) & ~terminated
-        return StepResult(self._observation(ids, rows), np.array([r[2] for r in rows], np.float32), terminated,
-                          truncated, terminated.copy())
+        return step_result(ids, rows, self._elapsed[ids], self.cfg.max_episode_steps, self.instructions)
 
     def close(self) -> None:
         close_all(self.workers)
         self.workers = []
-
-    def _observation(self, ids: np.ndarray, rows: List[Tuple[Any, ...]]) -> Observation:
-        return stack_rows(ids, rows, self.instructions)
-
-
 
 
 def validate(cfg: LiberoEnvConfig) -> None:

@@ -47,7 +47,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from vlaslurm.envs._procs import call_each, check_ids, close_all, reset_seeds, stack_rows, start_all
+from vlaslurm.envs._procs import call_each, check_ids, close_all, reset_seeds, stack_rows, start_all, step_result
 from vlaslurm.envs.base import Observation, StepResult
 from vlaslurm.spec.env_types import RoboTwinEnvConfig
 
@@ -249,29 +249,20 @@ class RoboTwinVecEnv:
         for i, row in zip(ids, rows):
             self.instructions[i], self.seeds_used[i] = row[2], row[3]
         self._elapsed[ids] = 0
-        return self._observation(ids, rows)
+        return stack_rows(ids, rows, self.instructions)
 
     def step(self, env_ids: Sequence[int], actions: np.ndarray) -> StepResult:
         ids = check_ids(env_ids, self.num_envs)
         actions = np.asarray(actions, np.float32)
         if actions.shape != (len(ids), self.action_dim):
             raise ValueError(f"actions must have shape ({len(ids)}, {self.action_dim}), got {actions.shape}")
-        rows = call_each(self.workers, ids, "step", actions)
+        rows = call_each(self.workers, ids, "step", actions)  # the limit in a reply: RoboTwin's step_lim
         self._elapsed[ids] += 1
-        terminated = np.array([r[3] for r in rows], bool)
-        limit = np.array([r[4] for r in rows], bool)
-        truncated = ((self._elapsed[ids] >= self.cfg.max_episode_steps) | limit) & ~terminated
-        return StepResult(self._observation(ids, rows), np.array([r[2] for r in rows], np.float32), terminated,
-                          truncated, terminated.copy())
+        return step_result(ids, rows, self._elapsed[ids], self.cfg.max_episode_steps, self.instructions)
 
     def close(self) -> None:
         close_all(self.workers)
         self.workers = []
-
-    def _observation(self, ids: np.ndarray, rows: List[Tuple[Any, ...]]) -> Observation:
-        return stack_rows(ids, rows, self.instructions)
-
-
 
 
 def validate(cfg: RoboTwinEnvConfig, root: Optional[str]) -> str:
