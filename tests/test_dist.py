@@ -6,7 +6,6 @@ client without the run secret finds none of the names c10d writes and cannot for
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -76,17 +75,23 @@ def _what_a_rogue_sees(store: Any, sealed: Any) -> dict[str, Any]:
             "values": [rogue.get(f"{prefix}/{k}") for k in C10D_KEYS], "plain": [sealed.get(k) for k in C10D_KEYS]}
 
 
-def test_four_ranks_meet_and_all_reduce(tmp_path: Path) -> None:
-    run_dir = tmp_path / "rdzv dir"
-    results = run_ranks(_rank_main, preload=PRELOAD, args=[(str(run_dir), role, rank) for role, rank in KEYS])
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """What each of four real ranks saw of one world (formed once for the tests below)."""
+    run_dir = tmp_path_factory.mktemp("dist") / "rdzv dir"
+    return run_ranks(_rank_main, preload=PRELOAD, args=[(str(run_dir), role, rank) for role, rank in KEYS])
+
+
+def test_four_ranks_meet_and_all_reduce(four_ranks: list[dict[str, Any]]) -> None:
+    results = four_ranks
     assert [r["rank"] for r in results] == [0, 1, 2, 3]
     assert all(r["size"] == 4 and r["sum"] == 1 + 2 + 3 + 4 for r in results)
     assert [r["pair_sum"] for r in results] == [111.0, 111.0, 111.0, None]
     assert all(r["generators"] == [1, 2] for r in results)
 
 
-def test_store_listens_on_the_given_address_only(tmp_path: Path) -> None:
-    results = run_ranks(_rank_main, preload=PRELOAD, args=[(str(tmp_path), role, rank) for role, rank in KEYS])
+def test_store_listens_on_the_given_address_only(four_ranks: list[dict[str, Any]]) -> None:
+    results = four_ranks
     port = results[0]["store_port"]
     assert ("127.0.0.1", port) in results[0]["listening"]
     for result in results:  # the store's socket, and gloo's listeners: none on every interface
@@ -94,10 +99,10 @@ def test_store_listens_on_the_given_address_only(tmp_path: Path) -> None:
         assert not [a for a, _ in result["listening"] if is_wildcard(a)], result["listening"]
 
 
-def test_a_client_without_the_secret_finds_no_key_and_no_plaintext(tmp_path: Path) -> None:
+def test_a_client_without_the_secret_finds_no_key_and_no_plaintext(four_ranks: list[dict[str, Any]]) -> None:
     from vlaslurm.runtime.dist import store_prefix
 
-    rogue = run_ranks(_rank_main, preload=PRELOAD, args=[(str(tmp_path), role, rank) for role, rank in KEYS])[0]["rogue"]
+    rogue = four_ranks[0]["rogue"]
     assert rogue["plain_found"] == []
     assert rogue["prefixed_found"] == C10D_KEYS  # they exist, under the secret's prefix
     assert rogue["names"] and all(n.startswith(store_prefix(SECRET) + "/") for n in rogue["names"])
