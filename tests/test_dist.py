@@ -53,7 +53,8 @@ def _rank_main(run_dir: str, role: str, rank: int) -> dict[str, Any]:
         world_barrier()
         return {"rank": world.rank, "size": world.world_size, "sum": total.item(), "pair_sum": pair_sum,
                 "generators": world.ranks_of("generator"), "listening": listening(os.getpid()),
-                "store_port": store.port if store is not None else None, "rogue": seen}
+                "store_port": store.port if store is not None else None, "rogue": seen,
+                "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}
     finally:
         world.close()
 
@@ -97,6 +98,16 @@ def test_store_listens_on_the_given_address_only(four_ranks: list[dict[str, Any]
     for result in results:  # the store's socket, and gloo's listeners: none on every interface
         assert result["listening"], "a rank of a gloo world listens for its peers"
         assert not [a for a, _ in result["listening"] if is_wildcard(a)], result["listening"]
+        # gloo pinned to the interface of 127.0.0.1 (unless whoever runs the tests chose one)
+        assert result["gloo_ifname"] == (os.environ.get("GLOO_SOCKET_IFNAME") or "lo")
+
+
+def test_interface_of_an_address() -> None:
+    from vlaslurm.runtime.netaddr import interface_of
+
+    assert interface_of("127.0.0.1") == interface_of("127.0.1.1") == "lo"
+    assert interface_of("203.0.113.77") is None  # TEST-NET-3: held by no interface here
+    assert interface_of("not an address") is None
 
 
 def test_a_client_without_the_secret_finds_no_key_and_no_plaintext(four_ranks: list[dict[str, Any]]) -> None:
