@@ -2,7 +2,15 @@
 
 It measures the runtime's scheduling on a machine with few cores: instances
 model parallel hardware, so stepping a set of instances sleeps for the slowest
-of their step times, and stepping disjoint sets from different threads overlaps.
+of their step times (a vectorised simulator's step), and stepping disjoint sets
+from different threads overlaps.
+
+`time.sleep` wakes late, by up to milliseconds on a loaded machine; that
+lateness is the OS's, not the modelled simulator's, and over a chunk of steps it
+would add up. So each instance carries the lateness of its last wake-up and the
+next step ends that much sooner: a run of steps lasts the sum of its sampled
+times plus one lateness, not one per step. Nothing else is credited: time the
+runtime spends between steps still counts.
 """
 from __future__ import annotations
 
@@ -34,6 +42,7 @@ class SyntheticVecEnv:
         self._rngs = [np.random.default_rng([seed, int(g)]) for g in self.global_ids]
         self._t = np.zeros(num_envs, dtype=np.int64)
         self._will_succeed = np.zeros(num_envs, dtype=bool)
+        self._late = np.zeros(num_envs)  # seconds the last wake-up of each instance came after its deadline
 
     def reset(self, env_ids: Sequence[int], seeds: Optional[Sequence[int]] = None) -> Observation:
         ids = np.asarray(env_ids, dtype=np.int64)
@@ -46,7 +55,8 @@ class SyntheticVecEnv:
 
     def step(self, env_ids: Sequence[int], actions: np.ndarray) -> StepResult:
         ids = np.asarray(env_ids, dtype=np.int64)
-        time.sleep(max(self._step_seconds(i) for i in ids) if len(ids) else 0.0)
+        if len(ids):
+            self._sleep(ids)
         self._t[ids] += 1
         ended = self._t[ids] >= self.cfg.episode_steps
         success = ended & self._will_succeed[ids]
@@ -56,6 +66,16 @@ class SyntheticVecEnv:
 
     def close(self) -> None:
         pass
+
+    def _sleep(self, ids: np.ndarray) -> None:
+        """Sleep for the slowest instance's step time, less the lateness these instances already took
+        (the smallest of theirs: never credit an instance more than it lost)."""
+        start = time.perf_counter()
+        seconds = max(self._step_seconds(i) for i in ids)
+        deadline = start + max(0.0, seconds - float(self._late[ids].min()))
+        while (left := deadline - time.perf_counter()) > 0:
+            time.sleep(left)
+        self._late[ids] = time.perf_counter() - deadline
 
     def _step_seconds(self, i: int) -> float:
         return self.slowdown[i] * sample_ms(self.cfg.step_ms, self._rngs[i]) / 1000.0
