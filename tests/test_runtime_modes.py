@@ -7,12 +7,17 @@ segments in the ledger against the simulators' shipped counts.
 """
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List
 
 import numpy as np
 import pytest
+
+from vlaslurm.envs import make_env, synthetic
+from vlaslurm.runtime.episodes import run_chunk
+from vlaslurm.spec.env_types import StepTimeConfig, SyntheticEnvConfig
 
 from runtime_helpers import RANKS_2, Run, overlaps, run_spec, served_versions, synthetic_spec
 
@@ -116,6 +121,56 @@ def test_pipelined_overlaps_serving_and_stepping_sync_never_does(mode_runs: Dict
         assert batches > 0 and overlapping >= 0.25 * batches, counts
         batches, overlapping = counts["sync"][sim]
         assert batches > 0 and overlapping == 0, counts
+
+
+def test_pipelined_sub_groups_step_side_by_side(mode_runs: Dict[str, Run]) -> None:
+    """Pipelined k=2 with a thread-safe env (synthetic): each sub-group steps the moment its actions arrive,
+    in its own thread, so one sub-group's chunks run while the other's do. (Stepped in turns on one thread,
+    as before, no two steps of a simulator would ever overlap and this fails.)"""
+    steps = mode_runs["pipelined"].events("step", "simulator")
+    for sim in (0, 1):
+        mine = [s for s in steps if s["rank"] == sim]
+        first = [s for s in mine if s["g"] == 0]
+        side_by_side = sum(any(overlaps((a["t0"], a["t1"]), (b["t0"], b["t1"])) for b in mine if b["g"] == 1)
+                           for a in first)
+        assert first and side_by_side >= 0.5 * len(first), (sim, side_by_side, len(first))
+
+
+def test_cancelled_chunk_ends_after_the_step_under_way() -> None:
+    """A stop ends the chunks under way after their current step: with `cancel` set, one step runs and the
+    mask says so (the segment then carries only the steps that ran)."""
+    cfg = SyntheticEnvConfig(type="synthetic", step_ms=StepTimeConfig(dist="constant", mean=1.0), episode_steps=50)
+    env = make_env(cfg, num_envs=2, rank=0, seed=0)
+    env.reset([0, 1])
+    actions = np.zeros((2, 4, env.action_dim), np.float32)
+    cancel = threading.Event()
+    whole = run_chunk(env, np.array([0, 1]), actions, cancel)
+    cancel.set()
+    cut = run_chunk(env, np.array([0, 1]), actions, cancel)
+    assert whole.mask.all()
+    assert cut.mask[:, 0].all() and not cut.mask[:, 1:].any()
+    assert [o[1][0] for o in cut.last_obs] == [5 / 50, 5 / 50]  # 4 steps, then 1: the state counts steps
+
+
+def test_synthetic_step_takes_back_the_lateness_of_its_last_wake_up(monkeypatch) -> None:
+    """Each sleep of a synthetic step wakes 1 ms late; the next step of those instances ends that much
+    sooner, so 4 steps of 5 ms last 21 ms, not 24. The OS clock is faked (a fixed, known lateness cannot be
+    had from a real sleep); the env's own arithmetic runs as is."""
+    clock = {"now": 0.0}
+
+    def sleep(seconds: float) -> None:
+        clock["now"] += seconds + 0.001
+
+    monkeypatch.setattr(synthetic.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(synthetic.time, "sleep", sleep)
+    cfg = SyntheticEnvConfig(type="synthetic", step_ms=StepTimeConfig(dist="constant", mean=5.0), episode_steps=50)
+    env = make_env(cfg, num_envs=2, rank=0, seed=0)
+    env.reset([0, 1])
+    for _ in range(4):
+        env.step([0, 1], np.zeros((2, env.action_dim), np.float32))
+    assert clock["now"] == pytest.approx(0.021)
+    env.step([1], np.zeros((1, env.action_dim), np.float32))  # alone: its own lateness, not credited twice
+    assert clock["now"] == pytest.approx(0.026)
 
 
 @pytest.mark.parametrize("policy", ["drop", "hold"])

@@ -8,6 +8,7 @@ alone, at once.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -49,8 +50,10 @@ class ChunkResult:
     last_obs: List[EnvObs]  # after the chunk (the final observation where the episode ended)
 
 
-def run_chunk(env: VecEnv, ids: np.ndarray, actions: np.ndarray) -> ChunkResult:
-    """Execute `actions` [n, C, A] open-loop; an instance stops at the end of its episode."""
+def run_chunk(env: VecEnv, ids: np.ndarray, actions: np.ndarray,
+              cancel: Optional[threading.Event] = None) -> ChunkResult:
+    """Execute `actions` [n, C, A] open-loop; an instance stops at the end of its episode. Once `cancel` is
+    set the chunk ends after the step under way (the mask says which steps ran; at least one always does)."""
     n, chunk = actions.shape[:2]
     rewards = np.zeros((n, chunk), np.float32)
     mask = np.zeros((n, chunk), bool)
@@ -69,7 +72,7 @@ def run_chunk(env: VecEnv, ids: np.ndarray, actions: np.ndarray) -> ChunkResult:
         truncated[rows] |= res.truncated & ~res.terminated
         success[rows] |= res.success
         active[rows] &= ~(res.terminated | res.truncated)
-        if not active.any():
+        if not active.any() or (cancel is not None and cancel.is_set()):
             break
     return ChunkResult(rewards, mask, terminated, truncated, success, last)  # type: ignore[arg-type]
 

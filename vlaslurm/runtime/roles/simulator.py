@@ -1,11 +1,16 @@
 """The simulator role: steps its share of `env.num_envs` and ships segments to the trainer.
 
 Modes are two small loops over the same pieces:
-- `lockstep_loop`: sync (k = 1) and pipelined (k = pipeline_depth sub-groups that
-  take turns, so one sub-group steps while the generator serves another). Each
-  rollout phase acts with one policy version, then waits for the next.
+- `lockstep_loop`: sync (k = 1) and pipelined (k = pipeline_depth sub-groups,
+  each asking for its next actions the moment its chunk ends, so one sub-group
+  steps while the generator serves another). Each rollout phase acts with one
+  policy version, then waits for the next.
 - `async_loop`: every environment sends its own request the moment its
   observation is ready and steps the moment its actions arrive.
+
+Both step through a `Stepper`: chunks run in worker threads (one per sub-group
+or instance, when the env allows disjoint sets to step at once) while the main
+thread keeps the sockets, so stepping never blocks sending or receiving.
 
 In sync mode every rollout phase starts from reset, each environment seeded from
 (seed, version, env id), and episode numbers are a function of the version: a
@@ -22,7 +27,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import zmq
@@ -307,15 +312,6 @@ class Simulator:
         self.env.close()
 
 
-def wait_reply(io: SimulatorIO) -> List[msgs.ActReply]:
-    """Block until replies come; a generator silent past the deadline is named in the error."""
-    while True:
-        replies = io.poll(100)
-        if replies or io.stop:
-            return replies
-        io.check_deadlines()
-
-
 def wait_version(sim: "Simulator", io: SimulatorIO, version: int) -> None:
     """Block until the trainer announces `version` (or a stop); name the trainer if it stays silent."""
     limit = sim.ctx.deadlines.first_s if version == 0 else sim.ctx.deadlines.running_s
@@ -328,93 +324,144 @@ def wait_version(sim: "Simulator", io: SimulatorIO, version: int) -> None:
         sim.tick(io.version)
 
 
+class Stepper:
+    """Executes action chunks off the main thread, so that the main loop keeps sending requests and taking
+    replies while instances step: a sub-group steps while the generator serves another (pipelined), and
+    every instance steps on its own (async). A chunk that ends wakes the main loop's poll.
+
+    With `workers` > 0 (the env is `thread_safe`: disjoint sets may step at once, and reset while others
+    step) that many threads step chunks side by side; with 0 a chunk runs on the caller's thread. At the
+    end, chunks under way stop after their current step: a stop need not wait for a whole chunk of slow steps."""
+
+    def __init__(self, sim: "Simulator", io: SimulatorIO, workers: int) -> None:
+        self.sim, self.io = sim, io
+        self.done: "queue.Queue[tuple]" = queue.Queue()
+        self.wake = _Waker()
+        io.poller.register(self.wake.pull)
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env") if workers else None
+        self.cancel = threading.Event()
+        self.open = True
+
+    def submit(self, g: int, locals_: List[int], reply: msgs.ActReply) -> None:
+        """Step instances `locals_` (sub-group or instance `g`) through the reply's action chunk."""
+        if self.pool is None:
+            self._step(g, locals_, reply)
+        else:
+            self.pool.submit(self._step, g, locals_, reply)
+
+    def _step(self, g: int, locals_: List[int], reply: msgs.ActReply) -> None:
+        t0 = self.sim.ctx.now()
+        try:
+            result = run_chunk(self.sim.env, np.asarray(locals_), reply.actions, self.cancel)
+        except BaseException as exc:  # noqa: BLE001 - raised in the main loop by `finished`
+            result = exc
+        self.done.put((g, locals_, reply, result, t0, self.sim.ctx.now()))
+        if self.pool is not None:
+            self.wake.wake()
+
+    def finished(self) -> List[Tuple[int, msgs.ActReply, ChunkResult]]:
+        """The chunks that ended since the last call, as (g, reply, result), in the event log and the
+        counters; a chunk that raised raises here."""
+        if self.open:
+            self.wake.drain()
+        out = []
+        while not self.done.empty():
+            g, locals_, reply, result, t0, t1 = self.done.get_nowait()
+            if isinstance(result, BaseException):
+                raise result
+            self.sim.counters.busy(t1 - t0)
+            self.sim.events.add("step", t0=t0, t1=t1, g=g, v=reply.version, n=len(locals_))
+            out.append((g, reply, result))
+        return out
+
+    def close(self) -> None:
+        """End the chunks under way after their current step (what they did stays for `finished`); drop
+        those not started."""
+        self.cancel.set()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        self.io.poller.unregister(self.wake.pull)
+        self.wake.close()
+        self.open = False
+
+
 def lockstep_loop(sim: Simulator, io: SimulatorIO, depth: int, cfg: SimulatorConfig) -> None:
-    """Sync (depth 1) and pipelined (depth k): phases of one version; sub-groups take turns."""
+    """Sync (depth 1) and pipelined (depth k): phases of one version; each sub-group asks for its next
+    actions as soon as its chunk ends, and steps as soon as they arrive, while the others are served or step."""
     groups = [list(map(int, g)) for g in np.array_split(np.arange(sim.env.num_envs), depth) if len(g)]
     per_phase = math.ceil(cfg.steps_per_update / (cfg.env.num_envs * cfg.action_chunk))
     if depth == 1:
         # Sync phases start from reset, so a phase must be long enough for an episode to end.
         per_phase = max(per_phase, math.ceil(cfg.env.episode_limit() / cfg.action_chunk))
-    wait_version(sim, io, 0)
-    version = max(io.version, 0)  # a resumed trainer starts at its checkpoint's version
-    while True:
-        wait_version(sim, io, version)
-        if io.stop:
-            return
-        if depth == 1:
-            sim.start_phase(version, per_phase + 1)  # a phase holds at most per_phase + 1 episodes
-        remaining = {g: per_phase for g in range(len(groups))}
-        for g, locals_ in enumerate(groups):
-            io.send(sim.request(locals_, g, version))
-        while any(remaining.values()):
-            for reply in wait_reply(io):
-                g = reply.sub_group
-                t0 = sim.ctx.now()
-                result = run_chunk(sim.env, np.asarray(groups[g]), reply.actions)
-                t1 = sim.ctx.now()
-                sim.counters.busy(t1 - t0)
-                sim.events.add("step", t0=t0, t1=t1, g=g, v=reply.version, n=len(groups[g]))
-                io.ship(sim.apply(groups[g], reply, result))
-                remaining[g] -= 1
-                if remaining[g]:
-                    io.send(sim.request(groups[g], g, version))
+    stepper = Stepper(sim, io, len(groups) if sim.env.thread_safe else 0)
+    try:
+        wait_version(sim, io, 0)
+        version = max(io.version, 0)  # a resumed trainer starts at its checkpoint's version
+        while True:
+            wait_version(sim, io, version)
             if io.stop:
-                return
-            sim.tick(version)
-        segments = sim.cut_all()
-        io.ship(segments)
-        io.send_to_trainer(msgs.phase_end(version, sim.ctx.rank, sim.env_steps, len(segments), sim.incarnation))
-        version += 1
+                break
+            if depth == 1:
+                sim.start_phase(version, per_phase + 1)  # a phase holds at most per_phase + 1 episodes
+            if not run_phase(sim, io, stepper, groups, version, per_phase):
+                break
+            segments = sim.cut_all()
+            io.ship(segments)
+            io.send_to_trainer(msgs.phase_end(version, sim.ctx.rank, sim.env_steps, len(segments),
+                                              sim.incarnation))
+            version += 1
+    finally:
+        stepper.close()
+    for g, reply, result in stepper.finished():  # chunks that ended after the stop still count
+        io.ship(sim.apply(groups[g], reply, result))
+
+
+def run_phase(sim: Simulator, io: SimulatorIO, stepper: Stepper, groups: List[List[int]], version: int,
+              per_phase: int) -> bool:
+    """`per_phase` chunks of every sub-group with weights `version`; False if the trainer said stop."""
+    remaining = [per_phase] * len(groups)
+    for g, locals_ in enumerate(groups):
+        io.send(sim.request(locals_, g, version))
+    while any(remaining):
+        for reply in io.poll(100):
+            stepper.submit(reply.sub_group, groups[reply.sub_group], reply)
+        for g, reply, result in stepper.finished():
+            segments = sim.apply(groups[g], reply, result)
+            remaining[g] -= 1
+            if remaining[g]:
+                io.send(sim.request(groups[g], g, version))  # before shipping: the generator need not wait
+            io.ship(segments)
+        if io.stop:
+            return False
+        io.check_deadlines()
+        sim.tick(version)
+    return True
 
 
 def async_loop(sim: Simulator, io: SimulatorIO) -> None:
     """Every environment on its own: request when ready, step when its actions arrive."""
-    workers = sim.env.num_envs if sim.env.thread_safe else 1
-    done: "queue.Queue[tuple]" = queue.Queue()
-    wake = _Waker()
-    io.poller.register(wake.pull)
-    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env")
+    stepper = Stepper(sim, io, sim.env.num_envs if sim.env.thread_safe else 0)
     for i in range(sim.env.num_envs):
         io.send(sim.request([i], i, 0))
+    first = sim.tracks[0]
     try:
         while not io.stop:
-            replies = io.poll(100)  # env threads wake the poll the moment a step ends
-            wake.drain()
-            for reply in replies:
-                local = sim.tracks[0].local + reply.env_ids[0] - sim.tracks[0].gid
-                pool.submit(_step_one, sim, local, reply, done, wake)
-            _apply_done(sim, io, done, request_next=True)
+            for reply in io.poll(100):  # env threads wake the poll the moment a chunk ends
+                local = first.local + reply.env_ids[0] - first.gid
+                stepper.submit(local, [local], reply)
+            for local, reply, result in stepper.finished():
+                segments = sim.apply([local], reply, result)
+                for i in sim.next_requests(local):
+                    io.send(sim.request([i], i, 0))  # before shipping: the generator need not wait
+                io.ship(segments)
             io.ship(sim.cut_held(io.held))
             io.held.clear()
             io.check_deadlines()
             sim.tick(io.version)
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-        wake.close()
-    _apply_done(sim, io, done, request_next=False)  # steps that ended after the stop still count
-
-
-def _apply_done(sim: Simulator, io: SimulatorIO, done: "queue.Queue[tuple]", request_next: bool) -> None:
-    while not done.empty():
-        local, reply, result, t0, t1 = done.get()
-        if isinstance(result, BaseException):
-            raise result
-        sim.counters.busy(t1 - t0)
-        sim.events.add("step", t0=t0, t1=t1, g=local, v=reply.version, n=1)
+        stepper.close()
+    for local, reply, result in stepper.finished():  # chunks that ended after the stop still count
         io.ship(sim.apply([local], reply, result))
-        if request_next:
-            for i in sim.next_requests(local):
-                io.send(sim.request([i], i, 0))
-
-
-def _step_one(sim: Simulator, local: int, reply: msgs.ActReply, done: "queue.Queue[tuple]", wake: "_Waker") -> None:
-    t0 = sim.ctx.now()
-    try:
-        result = run_chunk(sim.env, np.asarray([local]), reply.actions)
-    except BaseException as exc:  # noqa: BLE001 - surfaced in the main loop
-        result = exc
-    done.put((local, reply, result, t0, sim.ctx.now()))
-    wake.wake()
 
 
 class _Waker:
