@@ -161,8 +161,8 @@ def write_markdown(result: Dict) -> str:
              "steady-state env steps/s (the trainer's reports, first quarter left out).", ""]
     for mix in result["mixes"]:
         lines += [f"## {mix['mix']}-bound: {json.dumps(mix['config'])}", "",
-                  "| candidate | chosen | predicted SPS | measured SPS | error | measured used SPS | predicted CPU cores "
-                  "(bound SPS) | load avg |",
+                  "| candidate | chosen | predicted SPS | measured SPS | error | measured used SPS "
+                  "| predicted CPU cores (bound SPS) | load avg |",
                   "|---|---|---|---|---|---|---|---|"]
         for row in mix["rows"]:
             m = row["measured"]

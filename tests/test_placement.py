@@ -335,7 +335,8 @@ def test_profile_measures_cpu_seconds_and_the_runtime_overhead(measured) -> None
     over = profile["overhead"]
     assert set(over) == {"sim_request_cpu_s", "record_cpu_s", "gen_serve_cpu_s", "segment_cpu_s"}
     assert all(v > 0 for v in over.values())
-    assert len(profile["generator"]["forward"]["cpu_seconds"]) == len(profile["generator"]["forward"]["sizes"])
+    forward = profile["generator"]["forward"]
+    assert len(forward["cpu_seconds"]) == len(forward["cpu_wait_mean_s"]) == len(forward["sizes"])
     costs = from_profile(profile, loaded.spec)
     assert costs.cpu is not None and costs.host_cores == profile["cpu_count"]
     # The per-decision work is charged as the roles' own work, and not again inside the hop.
@@ -378,6 +379,6 @@ def test_profile_wall_times_leave_out_waiting_for_a_cpu_that_other_work_held(mon
 
     # 300 ms of wall, of which the thread waited 200 ms runnable (a busy host): 100 ms is the role's cost.
     monkeypatch.setattr(prof, "_clock", lambda: (10.3, 1.1, 0.7))
-    assert prof._since((10.0, 1.0, 0.5)) == pytest.approx((0.1, 0.1))
+    assert prof._since((10.0, 1.0, 0.5)) == pytest.approx((0.1, 0.1, 0.2))
     monkeypatch.undo()
     assert prof._runqueue_wait() >= 0.0  # readable here (Linux); 0 where schedstat is missing

@@ -221,16 +221,17 @@ def _clock() -> Tuple[float, float, float]:
     return time.perf_counter(), time.process_time(), _runqueue_wait()
 
 
-def _since(start: Tuple[float, float, float]) -> Tuple[float, float]:
-    """(wall, CPU) seconds since `_clock()`. The wall leaves out the time the thread waited for a CPU that
+def _since(start: Tuple[float, float, float]) -> Tuple[float, float, float]:
+    """(wall, CPU, CPU wait) seconds since `_clock()`. The wall leaves out the time the thread waited for a CPU that
     other work held: the profile is cached and reused, so a busy moment must not become the role's cost
     (the model adds contention between the run's own roles itself, from the CPU seconds). CPU counts
-    every thread of this process (torch's, zmq's)."""
+    every thread of this process (torch's, zmq's). The wait is kept in the profile, to show how busy the
+    host was."""
     wall, cpu, wait = _clock()
-    return max(0.0, wall - start[0] - (wait - start[2])), cpu - start[1]
+    return max(0.0, wall - start[0] - (wait - start[2])), cpu - start[1], wait - start[2]
 
 
-def _timed_cpu(fn: Callable[[], Any]) -> Tuple[float, float]:
+def _timed_cpu(fn: Callable[[], Any]) -> Tuple[float, float, float]:
     start = _clock()
     fn()
     return _since(start)
@@ -269,19 +270,23 @@ def _measure_simulator(spec, budget_s: float) -> Dict[str, Any]:
         memory[str(n)] = max(0.0, _rss() - before)
         elapsed = np.zeros(n, int)
         samples: List[float] = []
+        waits: List[float] = []
         deadline = time.perf_counter() + budget_s / (2 * len(counts))
         while len(samples) < 200 and (len(samples) < 10 or time.perf_counter() < deadline):
             actions = rng.uniform(-1, 1, (n, env.action_dim)).astype(np.float32)
             start = _clock()
             res = env.step(ids, actions)
-            samples.append(_since(start)[0])
+            wall, _, wait = _since(start)
+            samples.append(wall)
+            waits.append(wait)
             elapsed += 1
             ended = np.flatnonzero(res.terminated | res.truncated)
             if len(ended):
                 episode_lens += elapsed[ended].tolist()
                 elapsed[ended] = 0
                 reset_times.append(_timed(lambda: env.reset(ended.tolist())) / len(ended))
-        batch[str(n)] = {"samples": [round(s, 7) for s in samples], **summarize(samples)}
+        batch[str(n)] = {"samples": [round(s, 7) for s in samples], **summarize(samples),
+                         "cpu_wait_mean_s": float(np.mean(waits))}
         if n != counts[-1]:
             env.close()
     per_instance = _per_instance(env, counts[-1], rng, budget_s / 2)
@@ -322,6 +327,7 @@ def _per_instance(env, n: int, rng, budget_s: float) -> Dict[str, Any]:
     """
     rows: List[List[float]] = [[] for _ in range(n)]
     cpu: List[float] = []
+    waits: List[float] = []
     deadline = time.perf_counter() + budget_s
     env.reset(list(range(n)))
     seeds = rng.integers(0, 2 ** 31, n)
@@ -332,9 +338,10 @@ def _per_instance(env, n: int, rng, budget_s: float) -> Dict[str, Any]:
             action = local.uniform(-1, 1, (1, env.action_dim)).astype(np.float32)
             start = _clock()
             res = env.step([i], action)
-            wall, used = _since(start)
+            wall, used, wait = _since(start)
             rows[i].append(wall)
             cpu.append(used)
+            waits.append(wait)
             if res.terminated[0] or res.truncated[0]:
                 env.reset([i])
 
@@ -346,7 +353,7 @@ def _per_instance(env, n: int, rng, budget_s: float) -> Dict[str, Any]:
             for i in range(n):
                 run(i, 1)
     return {"n": n, "threaded": bool(dispatch), "dispatch_s": float(np.mean(dispatch)) if dispatch else 0.0,
-            "cpu_s": float(np.mean(cpu)) if cpu else 0.0,
+            "cpu_s": float(np.mean(cpu)) if cpu else 0.0, "cpu_wait_mean_s": float(np.mean(waits)) if waits else 0.0,
             "samples": [[round(s, 7) for s in row] for row in rows], "summary": [summarize(row) for row in rows]}
 
 
@@ -473,7 +480,7 @@ def _measure_generator(spec, policy, obs, device, budget_s: float) -> Dict[str, 
     from vlaslurm.runtime.roles.generator import to_policy_input
 
     policy.eval()
-    sizes, seconds, cpu, memory = [], [], [], {}
+    sizes, seconds, cpu, waits, memory = [], [], [], [], {}
     deadline = time.perf_counter() + budget_s
     for b in _batch_sizes(spec):
         req = msgs.ObsRequest(list(range(b)), [0] * b, [0] * b, list(range(b)), _tile_obs(obs, b), 0, 0)
@@ -492,11 +499,13 @@ def _measure_generator(spec, policy, obs, device, budget_s: float) -> Dict[str, 
         sizes.append(b)
         seconds.append(float(np.quantile(times[:, 0], 0.25)))  # a busy machine's spikes inflate means and medians
         cpu.append(float(np.quantile(times[:, 1], 0.25)))
+        waits.append(float(times[:, 2].mean()))
         memory[str(b)] = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
                           else max(0.0, _rss() - before))
     weights = float(sum(t.numel() * t.element_size() for t in policy.state_dict().values()))
     per_item = float(np.polyfit(sizes, [memory[str(b)] for b in sizes], 1)[0]) if len(sizes) > 1 else 0.0
-    return {"forward": {"sizes": sizes, "seconds": seconds, "cpu_seconds": cpu}, "weights_bytes": weights,
+    return {"forward": {"sizes": sizes, "seconds": seconds, "cpu_seconds": cpu, "cpu_wait_mean_s": waits},
+            "weights_bytes": weights,
             "request_s": _request_s(spec, obs),
             "memory": {"base": weights, "per_item": max(0.0, per_item)}}
 
@@ -553,7 +562,7 @@ def _measure_trainer(spec, dims, obs, device, budget_s: float) -> Dict[str, Any]
     policy = _policy(spec, dims, device).train()
     learner = make_learner(spec.algo, policy, DataParallel(None, 0, 1), spec.rollout.seed)
     spu = spec.algo.steps_per_update
-    sizes, seconds, cpu, memory = [], [], [], {}
+    sizes, seconds, cpu, waits, memory = [], [], [], [], {}
     deadline = time.perf_counter() + budget_s
     for steps in sorted({max(1, spu // 4), max(1, spu // 2), spu}):
         segments = fake_segments(spec, obs, dims, steps)
@@ -570,6 +579,7 @@ def _measure_trainer(spec, dims, obs, device, budget_s: float) -> Dict[str, Any]
         sizes.append(sum(s.steps for s in segments))
         seconds.append(float(np.min(times[:, 0])))
         cpu.append(float(np.min(times[:, 1])))
+        waits.append(float(times[:, 2].mean()))
         memory[str(sizes[-1])] = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
                                   else max(0.0, _rss() - before))
     opt = getattr(learner, "opt", None)
@@ -579,7 +589,8 @@ def _measure_trainer(spec, dims, obs, device, budget_s: float) -> Dict[str, Any]
                               if torch.is_tensor(v)))
     weights = float(sum(t.numel() * t.element_size() for t in policy.state_dict().values()))
     per_step = float(np.polyfit(sizes, [memory[str(s)] for s in sizes], 1)[0]) if len(sizes) > 1 else 0.0
-    return {"update": {"sizes": sizes, "seconds": seconds, "cpu_seconds": cpu}, "optimizer_bytes": opt_bytes,
+    return {"update": {"sizes": sizes, "seconds": seconds, "cpu_seconds": cpu, "cpu_wait_mean_s": waits},
+            "optimizer_bytes": opt_bytes,
             "memory": {"base": 2 * weights + opt_bytes, "per_step": max(0.0, per_step)}}
 
 
