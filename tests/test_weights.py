@@ -86,7 +86,7 @@ def _broadcast_rank(run_dir: str, role: str, rank: int) -> dict[str, Any]:
     rdzv = Rendezvous(Path(run_dir) / "rdzv", EXPECTED)
     store = host_store("127.0.0.1", 30) if role == "trainer" else None
     rdzv.join(Member(role, rank, host="h", address="127.0.0.1", ports=store_ports(store), pid=os.getpid()))
-    world = init_world(rdzv.wait(30), (role, rank), "gloo", 30, store=store)
+    world = init_world(rdzv.wait(30), (role, rank), "gloo", 30, store=store, secret=bytes(32))
     try:
         if role == "trainer":
             return _trainer(run_dir, world)
