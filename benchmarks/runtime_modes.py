@@ -1,6 +1,9 @@
 """Throughput of the rollout modes on the synthetic workload, against the bottleneck bound.
 
-    python benchmarks/runtime_modes.py [--steps 12000] [--out benchmarks/results]
+    python benchmarks/runtime_modes.py [--steps 12000] [--modes sync,async] [--out benchmarks/results]
+
+A shorter run to compare before and after a change in one window (the results
+of a loaded machine are noisy): `--steps 4000 --modes async --out /tmp/x`.
 
 Workload (issue 3): 16 synthetic environments, step time lognormal with mean
 10 ms and sigma 1.0, 25% of them 3x slower; policy forward 2 ms + 0.2 ms per
@@ -11,7 +14,9 @@ forward). One rank per role, all on this machine, every mode run to the same
 number of env steps.
 
 Throughput = env steps in the ledger / (last simulator step end - first step
-start), from the run's own event log.
+start), from the run's own event log. For async the results also say where an
+environment's time goes between chunks (`decision_breakdown`), to tell the
+runtime's latency from the machine's.
 
 Bound = min(simulator, generator, trainer capacity), from the same parameters:
 - simulator: sum over environments of 1 / E[step time] (every environment
@@ -33,7 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict
+from typing import Dict, List
 
 import numpy as np
 import yaml
@@ -92,14 +97,54 @@ def measure(name: str, rollout: dict, steps: int, max_wait_ms: float, root: Path
     events = read_events(run_dir)
     sim_steps = [e for e in events if e["ev"] == "step"]
     batches = [e for e in events if e["ev"] == "batch"]
+    stops = [e["t"] for e in events if e["ev"] == "stop"]
     span = max(e["t1"] for e in sim_steps) - min(e["t0"] for e in sim_steps)
     counters = json.loads((run_dir / "counters" / "generator-0.json").read_text())
-    return {"env_steps": int(ledger.steps.sum()), "used_steps": int(ledger[ledger.used].steps.sum()),
-            "dropped_segments": int(ledger.dropped.sum()), "seconds": span,
-            "steps_per_s": ledger.steps.sum() / span,
-            "mean_batch": float(np.mean([b["n"] for b in batches])),
-            "request_latency_p50_ms": 1000 * counters.get("request_latency_s_p50", float("nan")),
-            "run_dir": str(run_dir)}
+    out = {"env_steps": int(ledger.steps.sum()), "used_steps": int(ledger[ledger.used].steps.sum()),
+           "dropped_segments": int(ledger.dropped.sum()), "seconds": span,
+           "steps_per_s": ledger.steps.sum() / span,
+           "mean_batch": float(np.mean([b["n"] for b in batches])),
+           "request_latency_p50_ms": 1000 * counters.get("request_latency_s_p50", float("nan")),
+           "env_busy": sum(e["t1"] - e["t0"] for e in sim_steps) / (NUM_ENVS * span),
+           "steps_per_s_to_stop": to_stop(sim_steps, stops),
+           "after_stop_ms": 1000 * (max(e["t1"] for e in sim_steps) - min(stops, default=float("nan"))),
+           "run_dir": str(run_dir)}
+    if rollout["mode"] == "async":
+        out["decision_ms"] = decision_breakdown(sim_steps, batches)
+    return out
+
+
+def to_stop(steps: List[dict], stops: List[float]) -> float:
+    """Env steps per second from the first chunk to the simulator's stop, counting only chunks that ended
+    by then: the span above also holds the last chunks under way, and one heavy-tailed step can stretch
+    it by a few 100 ms (NaN for runs whose simulator does not record its stop)."""
+    if not stops or "steps" not in steps[0]:
+        return float("nan")
+    end = min(stops)
+    done = sum(s["steps"] for s in steps if s["t1"] <= end)
+    return done / (end - min(s["t0"] for s in steps))
+
+
+def decision_breakdown(steps: List[dict], batches: List[dict]) -> Dict[str, float]:
+    """Where an async environment's time goes between two chunks (one simulator rank: `g` is the env id),
+    mean ms per decision: request = its chunk's end to the start of the batch serving its next request
+    (simulator bookkeeping, transport, the generator's wake-up and any batch ahead of it), forward = that
+    batch, reply = the batch's end to the start of the next chunk (transport and thread wake-ups)."""
+    served: Dict[int, List[dict]] = {}
+    for b in sorted(batches, key=lambda b: b["t0"]):
+        for env_id, _, _ in b["items"]:
+            served.setdefault(env_id, []).append(b)
+    parts: Dict[str, List[float]] = {"request": [], "forward": [], "reply": [], "chunk": []}
+    for env_id, mine in served.items():
+        chunks = sorted((s for s in steps if s["g"] == env_id), key=lambda s: s["t0"])
+        for i, (chunk, batch) in enumerate(zip(chunks, mine)):  # batch i served the actions of chunk i
+            parts["forward"].append(batch["t1"] - batch["t0"])
+            parts["reply"].append(chunk["t0"] - batch["t1"])
+            parts["chunk"].append(chunk["t1"] - chunk["t0"])
+            if i + 1 < len(mine):
+                parts["request"].append(mine[i + 1]["t0"] - chunk["t1"])
+    out = {name: 1000 * float(np.mean(values)) for name, values in parts.items()}
+    return out
 
 
 def transport() -> dict:
@@ -115,21 +160,34 @@ def transport() -> dict:
 def markdown(out: dict) -> str:
     """The results as a short table (benchmarks/results/runtime_modes.md)."""
     caps, w = out["capacity_steps_per_s"], out["workload"]
-    lines = [f"# Runtime modes on the synthetic workload ({out['machine']['cpus']} CPUs, "
-             f"load average {out['machine']['load_avg_1m_at_end']:.1f} at the end)", "",
+    m = out["machine"]
+    lines = [f"# Runtime modes on the synthetic workload ({m['cpus']} CPUs, load average "
+             f"{m.get('load_avg_1m_at_start', float('nan')):.1f} at the start, "
+             f"{m['load_avg_1m_at_end']:.1f} at the end)",
+             "",
              f"{w['num_envs']} envs, lognormal step mean {w['step_ms']} ms sigma {w['sigma']}, "
              f"{w['slow_fraction']:.0%} of them {w['slow_factor']:g}x slower; forward {w['forward_ms'][0]} ms + "
              f"{w['forward_ms'][1]} ms/item; chunk {w['action_chunk']}; update {w['update_ms']} ms per "
              f"{w['steps_per_update']} steps; {w['env_steps_per_mode']} env steps per mode.", "",
              f"Capacities (steps/s): simulator {caps['simulator']:.0f}, generator {caps['generator']:.0f}, "
              f"trainer {caps['trainer']:.0f}; bound {caps['bound']:.0f}.", "",
-             "| mode | env steps/s | of bound | mean batch | request p50 (ms) | dropped segments |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| mode | env steps/s | of bound | to the stop: of bound | mean batch | request p50 (ms) "
+             "| dropped segments |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for name, r in out["modes"].items():
-        lines.append(f"| {name} | {r['steps_per_s']:.0f} | {r['of_bound']:.2f} | {r['mean_batch']:.1f} | "
-                     f"{r['request_latency_p50_ms']:.1f} | {r['dropped_segments']} |")
+        lines.append(f"| {name} | {r['steps_per_s']:.0f} | {r['of_bound']:.2f} | {r['of_bound_to_stop']:.2f} | "
+                     f"{r['mean_batch']:.1f} | {r['request_latency_p50_ms']:.1f} | {r['dropped_segments']} |")
+    lines += ["", "(of bound: env steps in the ledger over the span of all chunks; to the stop: chunks that ended "
+              "before the simulator learnt of the stop, over the time until then)"]
     t, tr = out.get("targets"), out["transport"]
     lines.append("")
+    if "async" in out["modes"]:
+        r = out["modes"]["async"]
+        d = r["decision_ms"]
+        lines.append(f"- async: environments stepping {r['env_busy']:.0%} of the time; per decision (mean) "
+                     f"{d['request']:.1f} ms chunk end to batch start, {d['forward']:.1f} ms forward, "
+                     f"{d['reply']:.1f} ms batch end to chunk start, against {d['chunk']:.0f} ms per chunk; "
+                     f"chunks went on {r['after_stop_ms']:.0f} ms after the stop")
     if t:
         lines.append(f"- async / sync = {t['async_over_sync']:.2f} (target >= 1.85): "
                      f"{'met' if t['async_over_sync'] >= 1.85 else 'NOT met'}")
@@ -152,6 +210,7 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("VLASLURM_TRACKING", "off")
     caps = capacities()
+    load_at_start = os.getloadavg()[0]
     results: Dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="vlaslurm-bench-") as tmp:
         if args.work_dir:
@@ -160,6 +219,7 @@ def main() -> int:
         for name in args.modes.split(","):
             results[name] = measure(name, MODES[name], args.steps, args.max_wait_ms, Path(tmp))
             results[name]["of_bound"] = results[name]["steps_per_s"] / caps["bound"]
+            results[name]["of_bound_to_stop"] = results[name]["steps_per_s_to_stop"] / caps["bound"]
             results[name].pop("run_dir")
             print(f"{name:>13}: {results[name]['steps_per_s']:7.0f} steps/s = {results[name]['of_bound']:.2f} "
                   f"of the bound, mean batch {results[name]['mean_batch']:.1f}", flush=True)
@@ -168,7 +228,8 @@ def main() -> int:
                         "action_chunk": CHUNK, "steps_per_update": STEPS_PER_UPDATE, "update_ms": UPDATE_MS,
                         "env_steps_per_mode": args.steps, "max_wait_ms": args.max_wait_ms},
            "capacity_steps_per_s": caps, "modes": results, "transport": transport(),
-           "machine": {"cpus": os.cpu_count(), "load_avg_1m_at_end": os.getloadavg()[0],
+           "machine": {"cpus": os.cpu_count(), "load_avg_1m_at_start": load_at_start,
+                       "load_avg_1m_at_end": os.getloadavg()[0],
                        "python": platform.python_version(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}}
     if "async" in results and "sync" in results:
         out["targets"] = {"async_over_sync": results["async"]["steps_per_s"] / results["sync"]["steps_per_s"],

@@ -370,13 +370,15 @@ class Stepper:
             if isinstance(result, BaseException):
                 raise result
             self.sim.counters.busy(t1 - t0)
-            self.sim.events.add("step", t0=t0, t1=t1, g=g, v=reply.version, n=len(locals_))
+            self.sim.events.add("step", t0=t0, t1=t1, g=g, v=reply.version, n=len(locals_),
+                                steps=int(result.mask.sum()))
             out.append((g, reply, result))
         return out
 
     def close(self) -> None:
         """End the chunks under way after their current step (what they did stays for `finished`); drop
         those not started."""
+        self.sim.events.add("stop", t=self.sim.ctx.now())
         self.cancel.set()
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
