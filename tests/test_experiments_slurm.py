@@ -37,6 +37,8 @@ EXPERIMENTS = REPO / "experiments"
 STANDIN_ROOT = REPO / "tests" / "robotwin_standin" / "root"
 DEADLINE_S = 420.0  # per job, from submission: three jobs share two cores (LIBERO builds its scenes for ~1 min)
 IMAGE_SIZE = 16
+GROUP = 2  # GRPO group size of the LIBERO and RoboTwin jobs
+TOTAL_ENV_STEPS = {"maniskill": 128, "libero": 32, "robotwin": 128}
 TINY_BACKBONE = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "vocab_size": 128,
                  "max_instruction_tokens": 8, "vision_channels": 8, "num_keypoints": 4}
 # What each experiment's simulator reports (action_dim, state_dim); a checkpoint that does not fit fails the
@@ -53,17 +55,17 @@ def one_rank_per_role(*roles: str) -> List[str]:
 def overrides(name: str, checkpoint: Path) -> List[str]:
     """What a user of a small CPU cluster types after `vlaslurm submit experiments/<name>.yaml`."""
     common = [f"model.path={checkpoint}", f"env.obs.image_size={IMAGE_SIZE}",
+              f"rollout.total_env_steps={TOTAL_ENV_STEPS[name]}",
               "runtime.first_meeting_timeout_s=300",  # the site's 60 s is for jobs that start in seconds
               *one_rank_per_role("simulator", "generator", "trainer")]
     return common + {
         # no CUDA here: ManiSkill's cpu backend (one process per instance) instead of physx_cuda
-        "maniskill": ["env.sim_backend=cpu", "env.num_envs=2", "algo.steps_per_update=64",
-                      "rollout.total_env_steps=256"],
+        "maniskill": ["env.sim_backend=cpu", "env.num_envs=2", "algo.steps_per_update=32"],
         # hybrid: the trainer overlaps every GPU of the simulator and generator (1 + 1 -> 2 trainer ranks)
-        "libero": ["env.num_envs=4", "env.task_ids=[0]", "env.max_episode_steps=8", "algo.group_size=2",
-                   "algo.steps_per_update=32", "rollout.total_env_steps=32", "resources.trainer.gpus_per_node=2"],
-        "robotwin": [f"env.root={STANDIN_ROOT}", "env.num_envs=4", "algo.group_size=2",
-                     "rollout.total_env_steps=256", "resources.trainer.nodes=1"],
+        "libero": ["env.num_envs=4", "env.task_ids=[0]", "env.max_episode_steps=8", f"algo.group_size={GROUP}",
+                   "algo.steps_per_update=32", "resources.trainer.gpus_per_node=2"],
+        "robotwin": [f"env.root={STANDIN_ROOT}", "env.num_envs=4", f"algo.group_size={GROUP}",
+                     "algo.steps_per_update=64", "resources.trainer.nodes=1"],
     }[name]
 
 
@@ -112,7 +114,7 @@ def logs_tail(job: Job) -> str:
                      for p in sorted(job.run_dir.glob("logs/**/*.log")))
 
 
-def check_completed(job: Job, spec_tasks: List[str], total_env_steps: int) -> pd.DataFrame:
+def check_completed(job: Job, name: str) -> pd.DataFrame:
     """The job completed, every role exited 0, the spec's env steps were reached; returns the ledger."""
     assert wait_done(job, DEADLINE_S) == 0, logs_tail(job)
     steps = {r["step"]: r["exit_code"] for r in exit_record(job.run_dir)}
@@ -120,7 +122,7 @@ def check_completed(job: Job, spec_tasks: List[str], total_env_steps: int) -> pd
     status = vlaslurm("status", job.job_id, runs_root=job.run_dir.parent.parent)
     assert re.search(r"^state\s+COMPLETED$", status.stdout, re.M), status.stdout + status.stderr
     metrics = [json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert metrics and metrics[-1]["env_steps"] >= total_env_steps, metrics[-1:]
+    assert metrics and metrics[-1]["env_steps"] >= TOTAL_ENV_STEPS[name], metrics[-1:]
     ledger = pd.read_parquet(job.run_dir / "ledger.parquet")
     assert ledger["used"].any(), "the trainer trained on nothing"
     assert ledger["steps"].min() > 0
@@ -138,13 +140,13 @@ def job_of(jobs: Dict[str, Union[Job, str]], name: str) -> Job:
 
 
 def test_maniskill_experiment_submits_and_runs(jobs: Dict[str, Union[Job, str]]) -> None:
-    ledger = check_completed(job_of(jobs, "maniskill"), spec_tasks("maniskill"), 256)
+    ledger = check_completed(job_of(jobs, "maniskill"), "maniskill")
     assert set(ledger["task"]) == set(spec_tasks("maniskill")) == {"PickCube-v1", "PushCube-v1"}
     assert ledger["truncated"].any(), "no ManiSkill episode reached the spec's 50-step limit"
 
 
 def test_libero_experiment_submits_and_runs(jobs: Dict[str, Union[Job, str]]) -> None:
-    ledger = check_completed(job_of(jobs, "libero"), spec_tasks("libero"), 32)
+    ledger = check_completed(job_of(jobs, "libero"), "libero")
     # LIBERO's tasks are suite/index: task 0 of every suite the spec names
     assert set(ledger["task"]) == {f"{suite}/0" for suite in spec_tasks("libero")}
     assert len(spec_tasks("libero")) == 4
@@ -153,7 +155,21 @@ def test_libero_experiment_submits_and_runs(jobs: Dict[str, Union[Job, str]]) ->
 def test_robotwin_experiment_runs_against_the_standin(jobs: Dict[str, Union[Job, str]]) -> None:
     """Against the STAND-IN (tests/robotwin_standin/root), not RoboTwin: see the module docstring."""
     job = job_of(jobs, "robotwin")
-    ledger = check_completed(job, spec_tasks("robotwin"), 256)
+    ledger = check_completed(job, "robotwin")
     assert set(ledger["task"]) == set(spec_tasks("robotwin")) == {"beat_block_hammer", "lift_pot"}
-    assert ledger["success"].any(), "the stand-in's beat_block_hammer succeeds once the left arm's first joint passes 0.5"
+    assert ledger["success"].any(), "the stand-in's beat_block_hammer succeeds once the left arm's joint 0 passes 0.5"
     assert load_spec(job.run_dir / "spec.yaml").spec.env.root == str(STANDIN_ROOT)  # the job ran the stand-in
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "known defect: adapters assign tasks round-robin by instance (tasks[g % len(tasks)]) without knowing "
+    "algo.group_size, so a GRPO group (env_id // group_size) mixes tasks; make_env needs the group size"))
+@pytest.mark.parametrize("name", ["libero", "robotwin"])
+def test_grpo_group_members_play_one_task(jobs: Dict[str, Union[Job, str]], name: str) -> None:
+    """GRPO compares a group's episodes with each other, so they must share a task (and initial state)."""
+    job = job_of(jobs, name)
+    if wait_done(job, DEADLINE_S) != 0:
+        pytest.fail(f"the {name} job failed:\n{logs_tail(job)}")  # not the known defect: a real failure
+    ledger = pd.read_parquet(job.run_dir / "ledger.parquet")
+    tasks = ledger.groupby(ledger["env_id"] // GROUP)["task"].unique()
+    assert all(len(t) == 1 for t in tasks), tasks.to_dict()

@@ -150,8 +150,11 @@ def import_maniskill(vulkan: str) -> Any:
     import warnings
 
     warnings.filterwarnings("ignore", message=".*system libvulkan.*")
+    import importlib
+
     import gymnasium as gym
-    import mani_skill.envs  # noqa: F401  (registers the tasks)
+
+    importlib.import_module("mani_skill.envs")  # registers the tasks
 
     return gym
 
