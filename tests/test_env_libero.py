@@ -158,3 +158,26 @@ def test_runtime_runs_libero_with_images(tmp_path):
                      if (run.run_dir / "logs" / role / "0.log").exists())
     assert run.rc == 0, logs
     assert len(run.ledger) > 0, logs
+
+
+def _choose_in_child(environ: dict) -> dict:
+    """`choose_egl_device` on a copy of `environ`, in a fresh interpreter (PyOpenGL fixes its platform at
+    first import, so the test process itself must not pick one)."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys; from vlaslurm.envs.libero import choose_egl_device; "
+            "env = json.loads(sys.argv[1]); choose_egl_device(env); print(json.dumps(env))")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(environ)], capture_output=True, text=True,
+                         timeout=60, check=True)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_egl_device_follows_what_egl_lists():
+    # This machine's Mesa EGL lists one (software) device: id 0 is valid, id 7 is not.
+    assert _choose_in_child({"CUDA_VISIBLE_DEVICES": "0"}).get("CUDA_VISIBLE_DEVICES") == "0"
+    moved = _choose_in_child({"CUDA_VISIBLE_DEVICES": "7"})
+    assert "CUDA_VISIBLE_DEVICES" not in moved and moved["MUJOCO_EGL_DEVICE_ID"] == "0"
+    explicit = {"CUDA_VISIBLE_DEVICES": "7", "MUJOCO_EGL_DEVICE_ID": "3"}
+    assert _choose_in_child(explicit) == explicit
