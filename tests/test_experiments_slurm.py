@@ -161,9 +161,6 @@ def test_robotwin_experiment_runs_against_the_standin(jobs: Dict[str, Union[Job,
     assert load_spec(job.run_dir / "spec.yaml").spec.env.root == str(STANDIN_ROOT)  # the job ran the stand-in
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "known defect: adapters assign tasks round-robin by instance (tasks[g % len(tasks)]) without knowing "
-    "algo.group_size, so a GRPO group (env_id // group_size) mixes tasks; make_env needs the group size"))
 @pytest.mark.parametrize("name", ["libero", "robotwin"])
 def test_grpo_group_members_play_one_task(jobs: Dict[str, Union[Job, str]], name: str) -> None:
     """GRPO compares a group's episodes with each other, so they must share a task (and initial state)."""

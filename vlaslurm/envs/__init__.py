@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable, Dict
 
-from vlaslurm.envs.base import Observation, StepResult, VecEnv
+from vlaslurm.envs.base import Observation, StepResult, VecEnv, tasks_of
 from vlaslurm.spec.env_types import EnvConfig
 
 # type name -> "module:function" building a VecEnv; imported only when used.
@@ -17,18 +17,19 @@ _BUILDERS: Dict[str, str] = {
 }
 
 
-def make_env(cfg: EnvConfig, num_envs: int, rank: int, seed: int) -> VecEnv:
+def make_env(cfg: EnvConfig, num_envs: int, rank: int, seed: int, group_size: int = 1) -> VecEnv:
     """Build `num_envs` instances of `cfg.type` for simulator rank `rank`.
 
-    Instance i of rank r has global id `r * num_envs + i` for task assignment
-    and seeding, so ranks never duplicate each other's episodes.
+    Instance i of rank r has global id `r * num_envs + i` for seeding, so ranks
+    never duplicate each other's episodes; tasks go by GRPO group of
+    `group_size` global ids (`base.tasks_of`), so a group plays one task.
     """
     target = _BUILDERS.get(cfg.type)
     if target is None:
         raise ValueError(f"unknown env.type {cfg.type!r}; known types: {', '.join(sorted(_BUILDERS))}")
     module_name, func_name = target.split(":")
     builder: Callable[..., VecEnv] = getattr(importlib.import_module(module_name), func_name)
-    return builder(cfg, num_envs=num_envs, rank=rank, seed=seed)
+    return builder(cfg, num_envs=num_envs, rank=rank, seed=seed, group_size=group_size)
 
 
-__all__ = ["Observation", "StepResult", "VecEnv", "make_env"]
+__all__ = ["Observation", "StepResult", "VecEnv", "make_env", "tasks_of"]

@@ -7,9 +7,17 @@ resets alone (partial reset) and, in async mode, instances step independently.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Protocol, Sequence
+from typing import List, Optional, Protocol, Sequence, TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
+
+
+def tasks_of(tasks: Sequence[T], first_gid: int, num_envs: int, group_size: int = 1) -> List[T]:
+    """The task of each instance `first_gid + i`: tasks take turns by GRPO group (`gid // group_size`),
+    so the instances of one group, which reset from one seed, also play one task."""
+    return [tasks[((first_gid + i) // group_size) % len(tasks)] for i in range(num_envs)]
 
 
 @dataclass

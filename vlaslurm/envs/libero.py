@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from vlaslurm.envs._procs import call_each, check_ids, close_all, reset_seeds, stack_rows, start_all, step_result
-from vlaslurm.envs.base import Observation, StepResult
+from vlaslurm.envs.base import Observation, StepResult, tasks_of
 from vlaslurm.spec.env_types import LiberoEnvConfig
 
 CAMERA_ALIASES = {"wrist": "robot0_eye_in_hand", "eye_in_hand": "robot0_eye_in_hand", "agent": "agentview",
@@ -221,8 +221,8 @@ def validate(cfg: LiberoEnvConfig) -> None:
             camera_name(name)
 
 
-def make(cfg: LiberoEnvConfig, num_envs: int, rank: int = 0, seed: int = 0) -> LiberoVecEnv:
-    """Registry entry point: instance i of rank r plays pair `(r * num_envs + i) % len(pairs)`."""
+def make(cfg: LiberoEnvConfig, num_envs: int, rank: int = 0, seed: int = 0, group_size: int = 1) -> LiberoVecEnv:
+    """Registry entry point: instance i of rank r plays a (suite, task) pair by `base.tasks_of`."""
     validate(cfg)
     if num_envs < 1:
         raise ValueError(f"libero needs at least one environment per simulator rank, got {num_envs}")
@@ -230,4 +230,4 @@ def make(cfg: LiberoEnvConfig, num_envs: int, rank: int = 0, seed: int = 0) -> L
     from libero.libero import benchmark
 
     pairs = task_pairs(cfg, benchmark.get_benchmark_dict())
-    return LiberoVecEnv(cfg, [pairs[(rank * num_envs + i) % len(pairs)] for i in range(num_envs)])
+    return LiberoVecEnv(cfg, tasks_of(pairs, rank * num_envs, num_envs, group_size))

@@ -47,7 +47,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from vlaslurm.envs._procs import call_each, check_ids, reset_seeds, start_all
-from vlaslurm.envs.base import Observation, StepResult
+from vlaslurm.envs.base import Observation, StepResult, tasks_of
 from vlaslurm.spec.env_types import ManiSkillEnvConfig
 
 INSTRUCTIONS = {
@@ -437,8 +437,8 @@ def resolve_backend(cfg: ManiSkillEnvConfig) -> str:
     return "gpu" if torch.cuda.is_available() else "cpu"
 
 
-def make(cfg: ManiSkillEnvConfig, num_envs: int, rank: int = 0, seed: int = 0):
-    """Registry entry point. cpu: instance i of rank r runs `tasks[(r * num_envs + i) % len(tasks)]`;
+def make(cfg: ManiSkillEnvConfig, num_envs: int, rank: int = 0, seed: int = 0, group_size: int = 1):
+    """Registry entry point. cpu: instance i of rank r runs the task `base.tasks_of` gives it;
     gpu: every instance of rank r runs `tasks[r % len(tasks)]` (one GPU scene set per process)."""
     validate(cfg)
     if num_envs < 1:
@@ -446,5 +446,5 @@ def make(cfg: ManiSkillEnvConfig, num_envs: int, rank: int = 0, seed: int = 0):
     if resolve_backend(cfg) == "gpu":
         # SAPIEN holds one GPU physics system per process, so a gpu rank runs one task: ranks take turns.
         return GpuManiSkillVecEnv(cfg, [cfg.tasks[rank % len(cfg.tasks)]] * num_envs)
-    return CpuManiSkillVecEnv(cfg, [cfg.tasks[(rank * num_envs + i) % len(cfg.tasks)] for i in range(num_envs)])
+    return CpuManiSkillVecEnv(cfg, tasks_of(cfg.tasks, rank * num_envs, num_envs, group_size))
 

@@ -48,7 +48,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from vlaslurm.envs._procs import call_each, check_ids, close_all, reset_seeds, stack_rows, start_all, step_result
-from vlaslurm.envs.base import Observation, StepResult
+from vlaslurm.envs.base import Observation, StepResult, tasks_of
 from vlaslurm.spec.env_types import RoboTwinEnvConfig
 
 ROOT_ENV = "ROBOTWIN_ROOT"
@@ -288,10 +288,11 @@ def validate(cfg: RoboTwinEnvConfig, root: Optional[str]) -> str:
     return str(root)
 
 
-def make(cfg: RoboTwinEnvConfig, num_envs: int, rank: int = 0, seed: int = 0) -> RoboTwinVecEnv:
-    """Registry entry point: instance i of rank r plays task `tasks[(r * num_envs + i) % len(tasks)]`."""
+def make(cfg: RoboTwinEnvConfig, num_envs: int, rank: int = 0, seed: int = 0,
+         group_size: int = 1) -> RoboTwinVecEnv:
+    """Registry entry point: instance i of rank r plays the task `base.tasks_of` gives it."""
     root = validate(cfg, resolve_root(cfg))
     if num_envs < 1:
         raise ValueError(f"robotwin needs at least one environment per simulator rank, got {num_envs}")
     first = rank * num_envs
-    return RoboTwinVecEnv(cfg, root, [cfg.tasks[(first + i) % len(cfg.tasks)] for i in range(num_envs)], first)
+    return RoboTwinVecEnv(cfg, root, tasks_of(cfg.tasks, first, num_envs, group_size), first)

@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from vlaslurm.envs.base import Observation, StepResult
+from vlaslurm.envs.base import Observation, StepResult, tasks_of
 from vlaslurm.spec.env_types import SyntheticEnvConfig
 
 
@@ -28,14 +28,14 @@ class SyntheticVecEnv:
 
     thread_safe = True
 
-    def __init__(self, cfg: SyntheticEnvConfig, num_envs: int, rank: int, seed: int) -> None:
+    def __init__(self, cfg: SyntheticEnvConfig, num_envs: int, rank: int, seed: int, group_size: int = 1) -> None:
         self.cfg = cfg
         self.num_envs = num_envs
         self.action_dim = 2
         self.state_dim = cfg.state_dim
         first = rank * num_envs
         self.global_ids = np.arange(first, first + num_envs)
-        self.tasks: List[str] = [cfg.tasks[g % len(cfg.tasks)] for g in self.global_ids]
+        self.tasks: List[str] = tasks_of(cfg.tasks, first, num_envs, group_size)
         slow_count = int(round(cfg.slow_fraction * num_envs))
         self.slowdown = np.ones(num_envs)
         self.slowdown[num_envs - slow_count:] = cfg.slow_factor  # the last instances of each rank are slow
@@ -100,6 +100,6 @@ def sample_ms(dist, rng: np.random.Generator) -> float:
     return float(x_m * (1 + rng.pareto(dist.alpha)))
 
 
-def make(cfg: SyntheticEnvConfig, num_envs: int, rank: int, seed: int) -> SyntheticVecEnv:
+def make(cfg: SyntheticEnvConfig, num_envs: int, rank: int, seed: int, group_size: int = 1) -> SyntheticVecEnv:
     """Build the synthetic simulator of one rank."""
-    return SyntheticVecEnv(cfg, num_envs, rank, seed)
+    return SyntheticVecEnv(cfg, num_envs, rank, seed, group_size)

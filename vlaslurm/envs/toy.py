@@ -28,7 +28,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from vlaslurm.envs.base import Observation, StepResult
+from vlaslurm.envs.base import Observation, StepResult, tasks_of
 from vlaslurm.spec.env_types import ToyEnvConfig
 
 MAX_STEP = 0.08  # arena fraction one full-scale action moves the agent
@@ -69,14 +69,14 @@ class ToyReachVecEnv:
     state_dim = 2
     thread_safe = True
 
-    def __init__(self, cfg: ToyEnvConfig, num_envs: int, rank: int = 0, seed: int = 0):
+    def __init__(self, cfg: ToyEnvConfig, num_envs: int, rank: int = 0, seed: int = 0, group_size: int = 1):
         _validate(cfg, num_envs)
         self.cfg = cfg
         self.num_envs = num_envs
         self.num_objects = cfg.num_objects
         self.max_episode_steps = cfg.max_episode_steps
         global_ids = [rank * num_envs + i for i in range(num_envs)]
-        self.tasks: List[str] = [cfg.tasks[g % len(cfg.tasks)] for g in global_ids]
+        self.tasks: List[str] = tasks_of(cfg.tasks, rank * num_envs, num_envs, group_size)
         # One stream per instance keyed by (seed, global id): ranks never repeat each other.
         self._rngs = [np.random.default_rng([seed, g]) for g in global_ids]
         self.agent_pos = np.zeros((num_envs, 2), np.float32)
@@ -226,9 +226,9 @@ def _validate(cfg: ToyEnvConfig, num_envs: int) -> None:
         raise ValueError(f"the toy env renders one top-down camera; set env.obs.cameras to one name, got {cams}")
 
 
-def make(cfg: ToyEnvConfig, num_envs: int, rank: int = 0, seed: int = 0) -> ToyReachVecEnv:
+def make(cfg: ToyEnvConfig, num_envs: int, rank: int = 0, seed: int = 0, group_size: int = 1) -> ToyReachVecEnv:
     """Registry entry point (`env.type: toy`)."""
-    return ToyReachVecEnv(cfg, num_envs=num_envs, rank=rank, seed=seed)
+    return ToyReachVecEnv(cfg, num_envs=num_envs, rank=rank, seed=seed, group_size=group_size)
 
 
 # --- scripted baselines (privileged: they read the simulator state) --------------------------

@@ -26,7 +26,7 @@ class EnvConfig:
     """Fields shared by every simulator type."""
 
     type: str = doc("", "Simulator type; selects the dataclass below (e.g. toy, synthetic, maniskill).")
-    tasks: List[str] = doc([], "Task names; environments are assigned tasks round-robin.")
+    tasks: List[str] = doc([], "Task names; they take turns by GRPO group (algo.group_size environments), else by environment.")
     num_envs: int = doc(16, "Environment instances in total, over all simulator ranks.")
     max_episode_steps: int = doc(100, "Steps after which an episode is truncated.")
     obs: ObsConfig = field(default_factory=ObsConfig, metadata={"doc": "Observation settings."})

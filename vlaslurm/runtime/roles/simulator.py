@@ -533,7 +533,7 @@ def run(ctx: RankContext, cfg: Optional[SimulatorConfig] = None) -> int:
     if _first_on_node(ctx) and os.environ.get("VLASLURM_PREFLIGHT", "on") != "off":
         # Fail fast with what is missing (Vulkan ICD, EGL, assets) instead of a segfault or a hang.
         log.info("%s", preflight.check(cfg.env).text())
-    env = make_env(cfg.env, num_envs=local_count, rank=ctx.rank, seed=cfg.rollout.seed)
+    env = make_env(cfg.env, num_envs=local_count, rank=ctx.rank, seed=cfg.rollout.seed, group_size=cfg.group_size)
     meet(ctx, ports={}, extra=env_dims(env, cfg.env), roles=world_roles(ctx.spec))
     io = SimulatorIO(ctx, cfg.rollout.mode)
     if incarnation:
