@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from runtime_helpers import RANKS_2, Run, run_spec, synthetic_spec
-from vlaslurm.runtime.offload import Offloader, move_module
+from vlaslurm.runtime.offload import OffloadReports, OffloadTimeout, Offloader, move_module
 from vlaslurm.runtime.records import EventLog, read_events
 
 
@@ -65,6 +65,27 @@ def test_trainer_drops_gradients_instead_of_moving_them(tmp_path: Path) -> None:
     off.offload(0)
     assert all(p.grad is None for p in model.parameters())
     assert read_events(tmp_path)[0]["parts"] == {"model": expected["model"] - grads, "optimizer": expected["optimizer"]}
+
+
+def test_offloader_reports_each_move_off_once_its_event_is_written(tmp_path: Path) -> None:
+    model, _ = trained_model()
+    seen = []
+
+    class Report:  # stands in for OffloadReporter (its socket is exercised by the real runs below)
+        def __call__(self, version: int) -> None:
+            seen.append((version, [e["ev"] for e in read_events(tmp_path)]))
+
+        def close(self) -> None:
+            seen.append("closed")
+
+    off = Offloader(True, "cpu", EventLog(tmp_path, "generator", 1), clock=lambda: 0.0, module=model, host="meta",
+                    on_device=False, report=Report())
+    off.offload(0)  # built in host memory: nothing moves, nothing is reported
+    off.onload(0)
+    off.offload(0)
+    off.offload(0)  # already off
+    off.close()
+    assert seen == [(0, ["onload", "offload"]), "closed"]
 
 
 def test_disabled_offloader_moves_nothing(tmp_path: Path) -> None:
@@ -129,14 +150,14 @@ def test_collocated_moves_once_per_rollout_phase_per_rank(layout_runs: Dict[str,
     steps = Counter(e["v"] for e in run.events("batch", "generator"))
     assert all(steps[v] > 2 for v in phases)  # many forwards per phase, yet one move each way
 
-    # Generators: off once the trainer took the phase's batch, on with the next version's weights.
+    # Generators: built in host memory, on with each version's weights (the first included), off once
+    # the trainer took the phase's batch.
     assert moves(run, "generator", "offload") == {0: phases, 1: phases}
-    assert moves(run, "generator", "onload") == {0: phases[1:], 1: phases[1:]}
-    # Trainers: off during each phase (from its publication), on for its update. A data-parallel
+    assert moves(run, "generator", "onload") == {0: phases, 1: phases}
+    # Trainers: off during each phase (before its publication), on for its update. A data-parallel
     # follower learns that the run is over only while waiting off the device: one more offload at the end.
     assert moves(run, "trainer", "onload") == {0: phases, 1: phases}
-    offloads = moves(run, "trainer", "offload")
-    assert offloads[0] == phases and offloads[1] in (phases, phases + [len(phases)])
+    assert moves(run, "trainer", "offload") == {0: phases, 1: phases + [len(phases)]}
     for event in run.events("offload") + run.events("onload"):
         assert event["bytes"] > 0 and event["what"] == ["model"] and event["s"] >= 0  # synthetic: no optimizer
 
@@ -148,6 +169,56 @@ def test_collocated_moves_once_per_rollout_phase_per_rank(layout_runs: Dict[str,
             off_at = next(e["t0"] for e in events if e["ev"] == "offload" and e["v"] == v)
             assert all(e["t1"] <= off_at for e in events if e["ev"] == "batch" and e["v"] == v)
             assert all(e["t0"] >= off_at for e in events if e["ev"] == "batch" and e["v"] > v)
+
+
+@pytest.mark.parametrize("name", ["sync", "pipelined"])
+def test_each_role_moves_onto_the_gpu_only_after_the_other_left_it(layout_runs: Dict[str, Run], name: str) -> None:
+    """The handshake: every move onto the device starts after every move off it by the other role for
+    that phase ended, on the one clock of the run (strictly: the two never hold the GPU at once)."""
+    run = layout_runs[name]
+    assert run.rc == 0, run.log("trainer", 0)[-3000:]
+    phases = sorted({e["v"] for e in run.events("update", "trainer")})
+    assert len(phases) >= 3
+
+    def of(role: str, kind: str, v: int) -> List[dict]:
+        return [e for e in run.events(kind, role) if e["v"] == v]
+
+    for v in phases:
+        generators_off, trainers_off = of("generator", "offload", v), of("trainer", "offload", v)
+        assert sorted(e["rank"] for e in generators_off) == [0, 1]
+        assert sorted(e["rank"] for e in trainers_off) == [0, 1]
+        trainers_on, generators_on = of("trainer", "onload", v), of("generator", "onload", v)
+        assert sorted(e["rank"] for e in trainers_on) == [0, 1] and sorted(e["rank"] for e in generators_on) == [0, 1]
+        # The rollout of v: the generators come on only once both trainer ranks are off ...
+        assert min(e["t0"] for e in generators_on) > max(e["t1"] for e in trainers_off), (v, trainers_off)
+        # ... and the update of v: the trainers come on only once both generators are off.
+        assert min(e["t0"] for e in trainers_on) > max(e["t1"] for e in generators_off), (v, generators_off)
+
+
+def test_offload_reports_wait_for_every_rank_of_a_role() -> None:
+    reports = OffloadReports()
+    reports.add(2, "generator", 0)  # an older phase's report: no use for version 3, and forgotten once it is met
+    # generator[1] reports twice (a restarted rank reports again: the report names the rank, not the process)
+    arrivals = iter([("generator", 1), ("trainer", 0), ("generator", 1), ("generator", 0), ("generator", 2)])
+    pumped = []
+
+    def pump() -> None:
+        got = next(arrivals)
+        pumped.append(got)
+        reports.add(3, *got)
+
+    reports.wait(3, "generator", range(2), 10.0, pump, "the test")
+    assert pumped == [("generator", 1), ("trainer", 0), ("generator", 1), ("generator", 0)]  # done at the last one
+    assert list(reports.by_version) == [3]
+
+
+def test_offload_wait_names_the_ranks_that_never_reported() -> None:
+    reports = OffloadReports()
+    reports.add(5, "generator", 2)
+    reports.add(5, "trainer", 1)  # another role's report does not count for the generators
+    names = r"generator\[0\], generator\[1\], generator\[3\] did not say .* for version 5"
+    with pytest.raises(OffloadTimeout, match=names):
+        reports.wait(5, "generator", range(4), 0.05, lambda: None, "the test")
 
 
 def test_disaggregated_never_moves(layout_runs: Dict[str, Run]) -> None:

@@ -4,7 +4,10 @@ The path of one sample: the simulator sends an `obs` request, the generator
 answers with an `act` reply tagged with the policy version that produced it, and
 the simulator ships finished `Segment`s (a trajectory, or a piece of one, of a
 single behaviour version) to the trainer. The trainer's `ctl` announcements
-carry its version, what it has consumed, and when to stop.
+carry its version, what it has consumed, the newest phase whose batch it took,
+and when to stop. In the collocated layout every generator and trainer rank tells
+trainer rank 0 when its state has left the GPU (`offloaded`), so that the next
+role moves on only once the device is free.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from vlaslurm.envs.base import Observation
 from vlaslurm.runtime.transport import Message
 
 OBS, ACT, HELD, SEGMENT, PHASE_END, SIM_DONE, CTL = "obs", "act", "held", "segment", "phase_end", "sim_done", "ctl"
-SIM_RESTART = "sim_restart"
+SIM_RESTART, OFFLOADED = "sim_restart", "offloaded"
 
 
 @dataclass
@@ -171,6 +174,13 @@ def sim_done(sim_rank: int, segments: int, steps: int) -> Message:
     return Message(SIM_DONE, {"sim_rank": sim_rank, "segments": segments, "steps": steps})
 
 
-def ctl(version: int, consumed_steps: int, stop: bool) -> Message:
-    """The trainer's state, published repeatedly (late subscribers miss nothing that matters)."""
-    return Message(CTL, {"version": version, "consumed_steps": consumed_steps, "stop": stop})
+def ctl(version: int, consumed_steps: int, stop: bool, taken: int = -1) -> Message:
+    """The trainer's state, published repeatedly (late subscribers miss nothing that matters).
+    `taken`: the newest version whose rollout phase is over (its batch taken); -1 before the first."""
+    return Message(CTL, {"version": version, "consumed_steps": consumed_steps, "stop": stop, "taken": taken})
+
+
+def offloaded(version: int, role: str, rank: int) -> Message:
+    """Collocated layout: this rank's model (and optimizer state) left the GPU at its phase boundary of
+    `version`, so trainer rank 0 may let the other role onto the device (`vlaslurm.runtime.offload`)."""
+    return Message(OFFLOADED, {"version": version, "role": role, "rank": rank})

@@ -8,9 +8,31 @@ only at the phase boundaries, never per step:
     generator  its model moves off when the rollout phase is over (the trainer has
                taken the phase's batch) and back on when the next version's weights
                are installed
-    trainer    its model and its optimizer state move off once the weights are
-               published and back on just before the update; its gradients are
-               dropped, not moved (every optimizer step computes them afresh)
+    trainer    its model and its optimizer state move off after the update, before
+               the next weights are published, and back on just before the next
+               update; its gradients are dropped, not moved (every optimizer step
+               computes them afresh)
+
+The two roles are separate processes, so a move onto the device waits until the other
+role has said that its move off ended (an `offloaded` message to trainer rank 0, whose
+`OffloadReports` keep them):
+
+    trainer onload of v     after every generator's offload of phase v: rank 0 waits for
+                            their reports, then releases the other trainer ranks with the
+                            batch it broadcasts to them
+    generator onload of v   after every trainer rank's offload for v: rank 0 moves off,
+                            waits for the other ranks' reports, then publishes v
+
+Every such wait has the running deadline (`runtime.timeout_s`; before the first weights,
+while ranks still start, `runtime.first_meeting_timeout_s`) and names the ranks that
+never reported. A restarted generator reports its offload like its predecessor
+would have (the report names the rank, not the process), so the trainer never waits
+for a report that cannot come. Three overlaps remain, all transient: the weights in
+flight during an NCCL broadcast (one copy of the model, buckets on both sides: not the
+optimizer state); a generator restarted during an update, which loads its model onto
+the device as it starts and moves it off again when it learns that the phase is over;
+and a simulator restarted during an update, whose redone requests bring the generator's
+model back on to serve them (it leaves again at its next turn).
 
 Each move is an `offload` / `onload` event of the rank's event log (what moved, its
 bytes, the seconds it took), so the boundary claim can be checked from a run. The
@@ -20,12 +42,14 @@ costs nothing, but it is still made and recorded.
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
 
+from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime.records import EventLog
+from vlaslurm.runtime.transport import Push
 
 HOST = torch.device("cpu")
 KEEP_ON_HOST = ("step",)  # Adam's step counter: torch keeps it a host scalar unless the optimizer is capturable
@@ -73,11 +97,13 @@ class Offloader:
 
     def __init__(self, enabled: bool, device: torch.device, events: EventLog, clock: Callable[[], float],
                  module: Optional[nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
-                 host: torch.device = HOST, drop_grads: bool = False) -> None:
+                 host: torch.device = HOST, drop_grads: bool = False, on_device: bool = True,
+                 report: Optional["OffloadReporter"] = None) -> None:
         self.enabled, self.device, self.host = enabled, torch.device(device), torch.device(host)
         self.events, self.clock = events, clock
         self.module, self.optimizer, self.drop_grads = module, optimizer, drop_grads
-        self.on_device = True
+        self.on_device = on_device  # False: the caller built the module in host memory
+        self.report = report  # told of every move off, once it has ended
 
     def offload(self, version: int) -> None:
         """Move to host memory, and give the freed device memory back (another process needs it)."""
@@ -86,12 +112,18 @@ class Offloader:
             self.on_device = False
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # else torch's caching allocator keeps the blocks from the other role
+            if self.report is not None:
+                self.report(version)
 
     def onload(self, version: int) -> None:
         """Move back to the device."""
         if self.enabled and not self.on_device:
             self._move(self.device, "onload", version)
             self.on_device = True
+
+    def close(self) -> None:
+        if self.report is not None:
+            self.report.close()
 
     def _move(self, target: torch.device, kind: str, version: int) -> None:
         t0, start = self.clock(), time.perf_counter()
@@ -105,3 +137,61 @@ class Offloader:
         self.events.add(kind, t0=t0, t1=self.clock(), v=version, what=sorted(moved), bytes=sum(moved.values()),
                         parts=moved, s=time.perf_counter() - start, to=str(target))
         self.events.flush()  # a handful per phase: keep them even if the rank dies
+
+
+class OffloadReporter:
+    """A rank's word to trainer rank 0 that its state left the GPU (the `offloaded` message, sent into the
+    trainer's intake beside the segments: signed like every message, never pickled)."""
+
+    def __init__(self, secret: bytes, endpoint: str, role: str, rank: int) -> None:
+        self.role, self.rank = role, rank
+        self.push = Push(secret, name="offloaded->trainer[0]")
+        self.push.connect(endpoint)
+
+    @classmethod
+    def of(cls, ctx, role: str) -> Optional["OffloadReporter"]:
+        """The reporter of rank `ctx` of `role` (a RankContext); None outside the collocated layout."""
+        if not offloads(ctx.spec.resources.layout):
+            return None
+        return cls(ctx.secret, ctx.member("trainer", 0).endpoint("segments"), role, ctx.rank)
+
+    def __call__(self, version: int) -> None:
+        self.push.send(msgs.offloaded(version, self.role, self.rank))
+
+    def close(self) -> None:
+        self.push.close()
+
+
+class OffloadTimeout(RuntimeError):
+    """A rank never said that its state left the GPU: the other role cannot safely move on."""
+
+
+class OffloadReports:
+    """Trainer rank 0's record of the `offloaded` messages: which ranks left the GPU, per version."""
+
+    def __init__(self) -> None:
+        self.by_version: Dict[int, Set[Tuple[str, int]]] = {}
+
+    def add(self, version: int, role: str, rank: int) -> None:
+        self.by_version.setdefault(version, set()).add((role, rank))
+
+    def missing(self, version: int, role: str, ranks: Iterable[int]) -> List[int]:
+        got = self.by_version.get(version, set())
+        return [rank for rank in ranks if (role, rank) not in got]
+
+    def wait(self, version: int, role: str, ranks: Iterable[int], timeout_s: float, pump: Callable[[], None],
+             waiter: str) -> None:
+        """Call `pump` (which takes messages in) until every rank of `role` in `ranks` reported its offload
+        of `version`; OffloadTimeout naming the missing ranks after `timeout_s`."""
+        ranks = list(ranks)
+        deadline = time.monotonic() + timeout_s
+        while missing := self.missing(version, role, ranks):
+            if time.monotonic() >= deadline:
+                names = ", ".join(f"{role}[{rank}]" for rank in missing)
+                raise OffloadTimeout(
+                    f"{names} did not say within {timeout_s:g} s (runtime.timeout_s; before the first weights "
+                    f"runtime.first_meeting_timeout_s) that its state left the GPU for version {version}; {waiter} "
+                    "waits for that so that the two roles never hold the shared GPUs at once (resources.layout: "
+                    "collocated). See the log of each rank named.")
+            pump()
+        self.by_version = {v: got for v, got in self.by_version.items() if v >= version}  # older: never asked again

@@ -14,9 +14,12 @@ waiting simulators so (`held`), and they ship their open segments: otherwise
 the steps the trainer needs to move on could sit in unfinished episodes while
 the generator waits for the trainer, and neither would ever move.
 
-Collocated layout (`vlaslurm.runtime.offload`): the trainer announces what it has
-consumed as soon as it takes a phase's batch; from then on the phase is over, so the
-model leaves the GPU for the trainer's update and comes back with the next weights.
+Collocated layout (`vlaslurm.runtime.offload`): the trainer announces the phase whose
+batch it took (`taken`); from then on that phase is over, so the model leaves the GPU
+for the trainer's update, which the generator tells trainer rank 0 (`offloaded`: the
+trainer moves onto the GPU only after every generator did), and comes back with the
+next weights (published only after every trainer rank left the GPU). The model is
+built in host memory and moves onto the device with the first weights.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from vlaslurm.models import PolicyInput, build_policy
 from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime import signals
 from vlaslurm.runtime.context import RankContext, meet, world_roles
-from vlaslurm.runtime.offload import Offloader, offloads
+from vlaslurm.runtime.offload import HOST, Offloader, OffloadReporter, offloads
 from vlaslurm.runtime.records import Counters, EventLog, Heartbeat
 from vlaslurm.runtime.transport import PeerUnreachable, Poller, Router, Sub
 from vlaslurm.runtime.weights import make_subscriber, wait_for_version
@@ -124,7 +127,8 @@ class Generator:
     def __init__(self, cfg: GeneratorConfig, ctx: RankContext, router: Router) -> None:
         self.cfg, self.ctx, self.router = cfg, ctx, router
         dims = ctx.member("simulator", 0).extra
-        self.policy = build_policy(cfg.model, **dims).to(ctx.device).eval()
+        collocated = offloads(ctx.spec.resources.layout)  # then the trainer may hold the GPU now: start on the host
+        self.policy = build_policy(cfg.model, **dims).to(HOST if collocated else ctx.device).eval()
         self.sub = Sub(ctx.secret, name="ctl<-trainer[0]")
         self.sub.connect(ctx.member("trainer", 0).endpoint("ctl"))
         self.poller = Poller(router, self.sub)
@@ -145,15 +149,15 @@ class Generator:
         self.holding_since: Optional[float] = None
         self.announced = 0  # newest version the trainer's announcements name
         self._next_weights_check = 0.0
-        self.offloader = Offloader(offloads(ctx.spec.resources.layout), ctx.device, self.events, ctx.now,
-                                   module=self.policy)
-        self.consumed_at_install = 0  # lock-step: more consumed than this = the trainer took this version's phase
+        # The trainer moves onto the GPU only once every generator said that its model left it.
+        self.offloader = Offloader(collocated, ctx.device, self.events, ctx.now, module=self.policy,
+                                   on_device=not collocated, report=OffloadReporter.of(ctx, "generator"))
+        self.taken = -1  # newest version whose phase the trainer took (lock-step): its model may leave the GPU
 
     def install(self, version: int, state_dict) -> None:
         self.offloader.onload(version)
         self.policy.load_state_dict(state_dict)
         self.version = version
-        self.consumed_at_install = self.consumed_steps
         set_context(version=version)
         self.events.add("weights", t=self.ctx.now(), v=version)
 
@@ -164,6 +168,7 @@ class Generator:
                     self.stop = self.stop or bool(got.meta["stop"])
                     self.consumed_steps = max(self.consumed_steps, int(got.meta["consumed_steps"]))
                     self.announced = max(self.announced, int(got.meta["version"]))
+                    self.taken = max(self.taken, int(got.meta.get("taken", -1)))
                 else:
                     peer, msg = got
                     self.batcher.pending.append(Pending(peer, msgs.decode_obs(msg), time.monotonic()))
@@ -219,7 +224,7 @@ class Generator:
         got = self.poll_weights()
         if got is not None:
             self.install(*got)
-        elif self.consumed_steps > self.consumed_at_install:
+        elif self.taken >= self.version:
             self.offloader.offload(self.version)  # collocated: the phase is over, the trainer's update is next
         if self.over_budget():
             self.holding_since = self.holding_since or self.ctx.now()
@@ -261,6 +266,7 @@ class Generator:
         self.events.flush()
         self.counters.maybe_write(force=True)
         self.heartbeat.beat(self.version, f"finished served_steps={self.served_steps}", force=True)
+        self.offloader.close()
         for sock in (self.router, self.sub):
             sock.close()
 

@@ -14,8 +14,10 @@ directory when there is one.
 
 Collocated layout (`vlaslurm.runtime.offload`): every trainer rank keeps its model and
 optimizer state in host memory during rollout phases and moves them onto the GPU for
-the update; rank 0 announces what it consumed as soon as it takes a phase's batch, which
-tells the generators to leave the GPU.
+the update. Rank 0 announces the phase it took (`taken`), which tells the generators to
+leave the GPU; it moves on only once every generator said so (`offloaded`), and then
+releases the other ranks with the batch. After the update every rank moves off again
+and says so, and rank 0 publishes the next weights only once all of them did.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime import signals
 from vlaslurm.runtime.context import RankContext, meet, world_roles
 from vlaslurm.runtime.failures import FailureKeeper
-from vlaslurm.runtime.offload import Offloader, offloads
+from vlaslurm.runtime.offload import Offloader, OffloadReporter, OffloadReports, offloads
 from vlaslurm.runtime.ledger import Ledger
 from vlaslurm.runtime.records import Counters, EventLog, Heartbeat
 from vlaslurm.runtime.transport import Pub, Pull
@@ -96,6 +98,8 @@ class Collector:
         self.last_arrival = time.monotonic()
         self._last_ctl = 0.0
         self._version = 0
+        self.taken = -1  # newest version whose phase is over (its batch taken): collocated generators leave the GPU
+        self.offloads = OffloadReports()  # collocated: which ranks said their state left the GPU
         self.incarnations: Dict[int, int] = {}  # sim rank -> newest incarnation heard from
         self.discarded = 0  # segments of a restarted simulator's dead incarnation, thrown away
         self._boundary: Tuple = ()
@@ -128,7 +132,7 @@ class Collector:
         now = time.monotonic()
         self._version = version
         if force or now - self._last_ctl > 0.1:
-            self.pub.send(msgs.ctl(version, self.consumed_slots, stop))
+            self.pub.send(msgs.ctl(version, self.consumed_slots, stop, self.taken))
             self._last_ctl = now
 
     def receive(self, timeout_ms: int) -> None:
@@ -157,6 +161,8 @@ class Collector:
                 self.phase_ends.setdefault(int(msg.meta["version"]), set()).add(int(msg.meta["sim_rank"]))
             elif msg.kind == msgs.SIM_DONE:
                 self.sims_done[int(msg.meta["sim_rank"])] = (int(msg.meta["segments"]), int(msg.meta["steps"]))
+            elif msg.kind == msgs.OFFLOADED:
+                self.offloads.add(int(msg.meta["version"]), str(msg.meta["role"]), int(msg.meta["rank"]))
             msg = self.pull.recv(0)
         self.counters.sample("buffered_steps", self.buffered_steps)
         self.counters.set("rejected_messages", self.pull.rejected)  # bad or missing MAC: never decoded
@@ -423,8 +429,8 @@ def lead(cfg: TrainerConfig, ctx: RankContext, policy, learner, col: Collector, 
     drained = None
     tracker = open_tracker(ctx.spec, ctx.run_dir)  # MLflow, from its own thread (vlaslurm.tracking)
     offloader = trainer_offloader(ctx, policy, learner, col.events)
+    leave_device(ctx, col, offloader, version, ctx.deadlines.first_s)  # the other ranks are still starting
     publisher.publish(version, policy.state_dict())
-    offloader.offload(version)
     try:
         while True:
             if signals.requested():
@@ -441,8 +447,9 @@ def lead(cfg: TrainerConfig, ctx: RankContext, policy, learner, col: Collector, 
             if not used:
                 continue
             if col.lockstep:
+                col.taken = version
                 col.announce(version, force=True)  # the phase is over: collocated generators leave the GPU
-            offloader.onload(version)
+            enter_device(ctx, col, offloader, version)
             if hasattr(policy, "set_std_progress"):
                 policy.set_std_progress(min(1.0, col.received_steps / cfg.rollout.total_env_steps))
             t0, ev0 = time.monotonic(), ctx.now()
@@ -466,8 +473,8 @@ def lead(cfg: TrainerConfig, ctx: RankContext, policy, learner, col: Collector, 
             # Announce first: generators look for weights when announced (a broadcast waits for all of them);
             # lock-step requests for the new version wait at the generator until it is installed.
             col.announce(version, force=True)
+            leave_device(ctx, col, offloader, version, ctx.deadlines.running_s)
             publisher.publish(version, policy.state_dict())  # the WeightPublisher protocol: no per-call timeout
-            offloader.offload(version)
     finally:
         if group is not None:
             broadcast_batch(None, version, group, src)
@@ -492,10 +499,12 @@ def lead(cfg: TrainerConfig, ctx: RankContext, policy, learner, col: Collector, 
 def follow(ctx: RankContext, policy, learner, group, src: int, version: int = 0) -> int:
     """Other trainer ranks: take each batch from rank 0 and join the update."""
     events = EventLog(ctx.run_dir, "trainer", ctx.rank)
-    offloader = trainer_offloader(ctx, policy, learner, events)
+    # Rank 0 publishes the weights, which bring the generators back, only once every trainer rank said it is off.
+    offloader = trainer_offloader(ctx, policy, learner, events, OffloadReporter.of(ctx, "trainer"))
     try:
         while True:
             offloader.offload(version)  # a rollout phase: the GPU is the generator's
+            # Rank 0 sends the batch only once every generator left the GPU: receiving it is our signal to move on.
             version, batch = broadcast_batch(None, version, group, src)
             if batch is None:
                 return 0
@@ -507,13 +516,37 @@ def follow(ctx: RankContext, policy, learner, group, src: int, version: int = 0)
             version += 1
     finally:
         events.flush()
+        offloader.close()
 
 
-def trainer_offloader(ctx: RankContext, policy, learner, events: EventLog) -> Offloader:
+def trainer_offloader(ctx: RankContext, policy, learner, events: EventLog,
+                      report: Optional[OffloadReporter] = None) -> Offloader:
     """A trainer rank's model and optimizer state, in host memory during rollouts in the collocated layout."""
     # Gradients are dropped, not moved: every optimizer step starts from zero_grad(set_to_none=True).
     return Offloader(offloads(ctx.spec.resources.layout), ctx.device, events, ctx.now, module=policy,
-                     optimizer=getattr(learner, "opt", None), drop_grads=True)
+                     optimizer=getattr(learner, "opt", None), drop_grads=True, report=report)
+
+
+def leave_device(ctx: RankContext, col: Collector, offloader: Offloader, version: int, timeout_s: float) -> None:
+    """Trainer rank 0, collocated: move off the GPU for the rollout phase of `version` and wait until every
+    other trainer rank said it did too, before the weights that bring the generators back go out."""
+    offloader.offload(version)
+    if offloader.enabled:
+        col.offloads.wait(version, "trainer", range(1, ctx.info.ranks["trainer"]), timeout_s,
+                          lambda: col.receive(20), "trainer rank 0's publication of the weights")
+
+
+def enter_device(ctx: RankContext, col: Collector, offloader: Offloader, version: int) -> None:
+    """Trainer rank 0, collocated: move onto the GPU for the update of `version` once every generator said
+    that its model left it (announcing meanwhile: a generator that missed the phase's end learns it)."""
+    def pump() -> None:
+        col.announce(version)
+        col.receive(20)
+
+    if offloader.enabled:
+        col.offloads.wait(version, "generator", range(ctx.info.ranks["generator"]), ctx.deadlines.running_s,
+                          pump, "the trainers' move onto the GPU")
+    offloader.onload(version)
 
 
 def _save_final(policy, ctx: RankContext, versions: int) -> None:
