@@ -173,21 +173,27 @@ def test_synthetic_step_takes_back_the_lateness_of_its_last_wake_up(monkeypatch)
     assert clock["now"] == pytest.approx(0.026)
 
 
-@pytest.mark.parametrize("policy", ["drop", "hold"])
-def test_slow_trainer_staleness_bound(tmp_path: Path, policy: str) -> None:
-    spec = synthetic_spec("async", steps_per_update=32, update_ms=150, total_env_steps=800,
-                          max_staleness=1, stale_policy=policy)
-    run = run_spec(tmp_path, spec)
-    assert run.rc == 0
-    check_trained_versions(run, max_staleness=1)
-    trainer, = run.counters("trainer")
-    generator, = run.counters("generator")
-    if policy == "drop":
-        assert trainer.get("dropped_segments", 0) > 0 and run.ledger.dropped.sum() > 0
-    else:
-        assert generator.get("holds", 0) > 0 and generator.get("hold_s", 0) > 0
-        # Holding keeps rollouts within the bound, so (almost) nothing has to be dropped.
-        assert run.ledger.dropped.sum() <= 0.05 * len(run.ledger), run.ledger.dropped.sum()
+def test_slow_trainer_staleness_bound(tmp_path: Path) -> None:
+    """A slowed trainer with max_staleness 1: `drop` drops stale segments, `hold` makes the generator wait
+    instead, and every used sample's lag stays <= 1 under both. Both runs go at once, so they share
+    whatever else loads the machine: holding must drop far less than dropping (segments served within
+    the budget can still arrive late, e.g. a long one shipped when its episode ends, so not always none)."""
+    def one(policy: str) -> Run:
+        spec = synthetic_spec("async", steps_per_update=32, update_ms=150, total_env_steps=800,
+                              max_staleness=1, stale_policy=policy)
+        return run_spec(tmp_path, spec, name=policy)
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = dict(zip(("drop", "hold"), pool.map(one, ("drop", "hold"))))
+    for run in runs.values():
+        assert run.rc == 0
+        check_trained_versions(run, max_staleness=1)
+    dropper, = runs["drop"].counters("trainer")
+    holder, = runs["hold"].counters("generator")
+    assert dropper.get("dropped_segments", 0) > 0 and runs["drop"].ledger.dropped.sum() > 0
+    assert holder.get("holds", 0) > 0 and holder.get("hold_s", 0) > 0
+    dropped = {p: runs[p].ledger.dropped.mean() for p in runs}
+    assert dropped["hold"] < 0.5 * dropped["drop"], dropped
 
 
 def fast_env_rate(run: Run, slow_envs: set) -> float:
