@@ -59,9 +59,6 @@ def grpo_hold_spec(timeout_s: float) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "needs Collector.waiting_slots in vlaslurm/runtime/roles/trainer.py (the hold budget's credit for buffered "
-    "steps no whole group can use yet); until then the run stops after runtime.timeout_s naming the hold deadlock"))
 def test_grpo_async_hold_does_not_deadlock(tmp_path: Path) -> None:
     run = run_spec(tmp_path, grpo_hold_spec(timeout_s=20), timeout_s=240)
     trainer_log = run.log("trainer", 0)

@@ -132,8 +132,18 @@ class Collector:
         now = time.monotonic()
         self._version = version
         if force or now - self._last_ctl > 0.1:
-            self.pub.send(msgs.ctl(version, self.consumed_slots, stop, self.taken))
+            self.pub.send(msgs.ctl(version, self.consumed_slots + self.waiting_slots(version), stop, self.taken))
             self._last_ctl = now
+
+    def waiting_slots(self, version: int) -> int:
+        """GRPO in async mode: buffered slots that no batch can use yet, counted as consumed by the
+        generators' `hold` budget. Without this credit the trainer can wait for the rest of a group's
+        episodes while the generators hold until the trainer consumes: neither moves. While the trainer
+        waits its version stands still, so what the generators serve meanwhile is no staler for it.
+        """
+        if not self.group_size or self.ready(version):
+            return 0
+        return sum(seg.length for seg in self.buffer) * self.cfg.model.action_chunk
 
     def receive(self, timeout_ms: int) -> None:
         msg = self.pull.recv(timeout_ms)
@@ -315,7 +325,8 @@ def check_starved(silent_s: float, limit_s: float, generators: Dict[str, str]) -
     raise RuntimeError(
         f"no data for {silent_s:.0f} s while every generator holds ({', '.join(sorted(generators))}): the "
         "trainer waits for a batch the hold budget will not let rollouts finish; raise rollout.max_staleness "
-        "or lower algo.steps_per_update, or use rollout.stale_policy: drop")
+        "or algo.steps_per_update (the budget is (max_staleness + 1) x steps_per_update), or use "
+        "rollout.stale_policy: drop")
 
 
 def broadcast_batch(batch: Optional[TrainBatch], version: int, group, src: int) -> Tuple[int, Optional[TrainBatch]]:
