@@ -330,22 +330,20 @@ def check_starved(silent_s: float, limit_s: float, generators: Dict[str, str]) -
 
 
 def broadcast_batch(batch: Optional[TrainBatch], version: int, group, src: int) -> Tuple[int, Optional[TrainBatch]]:
-    """Send (rank 0) or receive (other trainer ranks) one batch; None means stop. No pickling."""
+    """Send (rank 0) or receive (other trainer ranks) one batch; None means stop. No pickling.
+
+    A receiver skips the keep-alives rank 0 sends while it waits for data (`send_keepalive`)."""
     if batch is not None or dist.get_rank() == src:
         tensors = {} if batch is None else {**batch.tensors, "_instructions": encode_strings(batch.instructions)}
-        meta = msgpack.packb({"version": version, "stop": batch is None,
-                              "keys": [[k, str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in tensors.items()]})
-        size = torch.tensor([len(meta)], dtype=torch.int64)
-        dist.broadcast(size, src, group=group)
-        dist.broadcast(torch.frombuffer(bytearray(meta), dtype=torch.uint8), src, group=group)
+        _broadcast_meta({"version": version, "stop": batch is None,
+                         "keys": [[k, str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in tensors.items()]},
+                        group, src)
         for value in tensors.values():
             dist.broadcast(value.contiguous(), src, group=group)
         return version, batch
-    size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, src, group=group)
-    raw = torch.zeros(int(size.item()), dtype=torch.uint8)
-    dist.broadcast(raw, src, group=group)
-    meta = msgpack.unpackb(raw.numpy().tobytes())
+    meta = _receive_meta(group, src)
+    while meta.get("keepalive"):
+        meta = _receive_meta(group, src)
     if meta["stop"]:
         return meta["version"], None
     tensors = {}
@@ -355,6 +353,29 @@ def broadcast_batch(batch: Optional[TrainBatch], version: int, group, src: int) 
         tensors[key] = value
     instructions = decode_strings(tensors.pop("_instructions"))
     return meta["version"], TrainBatch(tensors, instructions)
+
+
+def send_keepalive(version: int, group, src: int) -> None:
+    """Rank 0, waiting for data: tell the other trainer ranks, blocked in `broadcast_batch`, to keep waiting.
+
+    Their collective would otherwise fail at the group's timeout with gloo's own message whenever a
+    rollout phase (a simulator's start-up, a slow scene) lasts longer; with these it fails only when
+    rank 0 itself stops answering."""
+    _broadcast_meta({"version": version, "stop": False, "keepalive": True, "keys": []}, group, src)
+
+
+def _broadcast_meta(meta: dict, group, src: int) -> None:
+    raw = msgpack.packb(meta)
+    dist.broadcast(torch.tensor([len(raw)], dtype=torch.int64), src, group=group)
+    dist.broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8), src, group=group)
+
+
+def _receive_meta(group, src: int) -> dict:
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src, group=group)
+    raw = torch.zeros(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(raw, src, group=group)
+    return msgpack.unpackb(raw.numpy().tobytes())
 
 
 def build_trainer_policy(cfg: TrainerConfig, ctx: RankContext) -> torch.nn.Module:
@@ -442,6 +463,8 @@ def lead(cfg: TrainerConfig, ctx: RankContext, policy, learner, col: Collector, 
     offloader = trainer_offloader(ctx, policy, learner, col.events)
     leave_device(ctx, col, offloader, version, ctx.deadlines.first_s)  # the other ranks are still starting
     publisher.publish(version, policy.state_dict())
+    keepalive_s = min(ctx.deadlines.first_s, ctx.deadlines.running_s) / 4  # well inside the group's timeout
+    last_keepalive = time.monotonic()
     try:
         while True:
             if signals.requested():
@@ -453,6 +476,9 @@ def lead(cfg: TrainerConfig, ctx: RankContext, policy, learner, col: Collector, 
                 col.heartbeat.beat(version, f"env_steps={col.received_steps} waiting for data")
                 check_starved(time.monotonic() - col.last_arrival, ctx.deadlines.running_s,
                               generator_states(ctx.run_dir))
+                if group is not None and time.monotonic() - last_keepalive > keepalive_s:
+                    send_keepalive(version, group, src)
+                    last_keepalive = time.monotonic()
                 continue
             used = col.take(version)
             if not used:
