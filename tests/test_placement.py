@@ -49,12 +49,18 @@ def test_sync_waits_for_a_batch_that_never_fills() -> None:
 
 
 def test_pipelined_two_subgroups_keep_the_simulator_busy() -> None:
-    # k=2, step 10 ms >> forward 2 ms: after the first forward the rank's one thread steps
-    # sub-group after sub-group; a phase is 2 ms + P * k * 10 ms, then the update.
+    # k=2, step 10 ms >> forward 2 ms, a thread-safe env: each sub-group steps in its own thread, so
+    # each cycles forward + step (12 ms) on its own, the second 2 ms behind the first (it waited for
+    # the first forward); a phase of P = 16 rounds is 2 ms + P * 12 ms, then the update. (With the
+    # sub-groups taking turns on one thread it would be 2 ms + P * k * 10 ms.)
     costs = constant_costs(0.010, Curve.constant(0.002), 0.020)
     pred = simulate(Candidate("pipelined", "disaggregated", 1, 1, 1, 2, max_batch=8, max_wait_ms=0),
                     Workload(16, 1, 256), costs)
-    assert pred.sps == pytest.approx(256 / (0.002 + 16 * 2 * 0.010 + 0.020), rel=1e-6)
+    assert pred.sps == pytest.approx(256 / (0.002 + 16 * (0.010 + 0.002) + 0.020), rel=1e-6)
+    # An env that is not thread-safe steps inline: sub-group after sub-group on the one thread.
+    inline = simulate(Candidate("pipelined", "disaggregated", 1, 1, 1, 2, max_batch=8, max_wait_ms=0),
+                      Workload(16, 1, 256), constant_costs(0.010, Curve.constant(0.002), 0.020, thread_safe=False))
+    assert inline.sps == pytest.approx(256 / (0.002 + 16 * 2 * 0.010 + 0.020), rel=1e-6)
 
 
 def test_pipelined_hides_the_generator_when_it_is_the_bottleneck() -> None:

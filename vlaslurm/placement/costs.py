@@ -117,7 +117,7 @@ class Costs:
     hop_s: float  # one message between two roles, one way
     memory: Memory
     batch_samples: Dict[int, np.ndarray] = field(default_factory=dict)  # vectorised step of n instances
-    thread_safe: bool = True  # async mode steps a rank's instances from many threads at once
+    thread_safe: bool = True  # a rank steps its instances (async) or sub-groups (pipelined) from threads at once
     reset_s: float = 0.0
     dispatch_s: float = 0.0  # async: handing a step to a thread and its result back to the rank's main loop
     message_s: float = 0.0  # simulator main thread, per request: observation out, actions in

@@ -185,7 +185,9 @@ class Pipeline:
             envs = [_Env(r * per + j, r, int(prof[j]), self._episode_len()) for j in range(per)]
             depth = cand.depth if cand.mode == "pipelined" else 1
             groups = [[envs[i] for i in g] for g in np.array_split(np.arange(per), depth) if len(g)]
-            workers = 1 if self.lockstep else (per if costs.thread_safe else 1)
+            # The simulator steps in worker threads where the env allows it: one per sub-group in lock-step
+            # modes (sub-groups side by side), one per instance in async; else inline, one at a time.
+            workers = (len(groups) if self.lockstep else per) if costs.thread_safe else 1
             self.ranks.append(_Rank(envs, groups, workers, outstanding=[0] * cand.gen))
         self.gens = [_Gen() for _ in range(cand.gen)]
         self.device_free: Dict[int, float] = {}
@@ -268,7 +270,7 @@ class Pipeline:
             self.env_steps += steps
             if self.k.cpu:
                 self.cpu_s["simulator"] += self.k.cpu.step_s * steps
-            handover = 0.0 if self.lockstep else self.k.dispatch_s
+            handover = self.k.dispatch_s if self.k.thread_safe else 0.0  # main thread -> worker thread
             self.at(self._on_device(r, duration) + handover, self.stepped, req, version)
 
     def chunk_time(self, envs: List[_Env]) -> float:
