@@ -127,7 +127,7 @@ def test_script_runs_with_fake_runtimes_and_odd_paths(case: str, tmp_path: Path)
 
 def test_explicit_run_dir_is_mounted_through_the_variable() -> None:
     text = steps_of(render("pyxis", "/work/my run", suffix=False))
-    assert f'--container-mounts="$RUN_DIR:$RUN_DIR",' in text
+    assert '--container-mounts="$RUN_DIR:$RUN_DIR",' in text
     text = steps_of(render("apptainer", "/work/my run", suffix=False))
     assert 'apptainer exec --nv --bind "$RUN_DIR" --bind' in text
 
