@@ -174,10 +174,13 @@ def sim_done(sim_rank: int, segments: int, steps: int) -> Message:
     return Message(SIM_DONE, {"sim_rank": sim_rank, "segments": segments, "steps": steps})
 
 
-def ctl(version: int, consumed_steps: int, stop: bool, taken: int = -1) -> Message:
+def ctl(version: int, consumed_steps: int, stop: bool, taken: int = -1, waiting: int = 0) -> Message:
     """The trainer's state, published repeatedly (late subscribers miss nothing that matters).
-    `taken`: the newest version whose rollout phase is over (its batch taken); -1 before the first."""
-    return Message(CTL, {"version": version, "consumed_steps": consumed_steps, "stop": stop, "taken": taken})
+    `taken`: the newest version whose rollout phase is over (its batch taken); -1 before the first.
+    `waiting`: slots the trainer holds but cannot use yet (GRPO groups not whole), credited to the hold
+    budget for now only: unlike `consumed_steps` it can go down again, so receivers must not latch it."""
+    return Message(CTL, {"version": version, "consumed_steps": consumed_steps, "stop": stop, "taken": taken,
+                         "waiting": waiting})
 
 
 def offloaded(version: int, role: str, rank: int) -> Message:

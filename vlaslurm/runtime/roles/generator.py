@@ -144,6 +144,7 @@ class Generator:
         self.heartbeat = Heartbeat(ctx.run_dir, "generator", ctx.rank)
         self.version = -1
         self.consumed_steps = 0
+        self.waiting_steps = 0  # the trainer's current credit for slots it holds but cannot use yet
         self.served_steps = 0
         self.stop = False
         self.holding_since: Optional[float] = None
@@ -167,6 +168,7 @@ class Generator:
                 if sock is self.sub:
                     self.stop = self.stop or bool(got.meta["stop"])
                     self.consumed_steps = max(self.consumed_steps, int(got.meta["consumed_steps"]))
+                    self.waiting_steps = int(got.meta.get("waiting", 0))  # the latest: it may go down
                     self.announced = max(self.announced, int(got.meta["version"]))
                     self.taken = max(self.taken, int(got.meta.get("taken", -1)))
                 else:
@@ -190,7 +192,8 @@ class Generator:
         if r.mode != "async" or r.stale_policy != "hold":
             return False
         generators = self.ctx.info.ranks["generator"]
-        budget = (self.consumed_steps + (r.max_staleness + 1) * self.cfg.steps_per_update) / generators
+        budget = (self.consumed_steps + self.waiting_steps + (r.max_staleness + 1) * self.cfg.steps_per_update) \
+            / generators
         return self.served_steps >= budget
 
     def serve(self, batch: List[Pending]) -> None:
