@@ -132,14 +132,15 @@ class Collector:
         now = time.monotonic()
         self._version = version
         if force or now - self._last_ctl > 0.1:
-            self.pub.send(msgs.ctl(version, self.consumed_slots + self.waiting_slots(version), stop, self.taken))
+            self.pub.send(msgs.ctl(version, self.consumed_slots, stop, self.taken, self.waiting_slots(version)))
             self._last_ctl = now
 
     def waiting_slots(self, version: int) -> int:
-        """GRPO in async mode: buffered slots that no batch can use yet, counted as consumed by the
-        generators' `hold` budget. Without this credit the trainer can wait for the rest of a group's
-        episodes while the generators hold until the trainer consumes: neither moves. While the trainer
-        waits its version stands still, so what the generators serve meanwhile is no staler for it.
+        """GRPO in async mode: buffered slots that no batch can use yet, credited to the generators'
+        `hold` budget while (and only while) the trainer waits. Without this credit the trainer can wait
+        for the rest of a group's episodes while the generators hold until the trainer consumes: neither
+        moves. While the trainer waits its version stands still, so what the generators serve meanwhile
+        is no staler for it; once it can take a batch the credit is gone (`ctl`'s `waiting`, not latched).
         """
         if not self.group_size or self.ready(version):
             return 0
@@ -403,7 +404,9 @@ def run(ctx: RankContext, cfg: Optional[TrainerConfig] = None) -> int:
     if ctx.rank == 0:  # the weight-sync group first: see data_parallel_group
         publisher = make_publisher(cfg.rollout.weight_sync, run_dir=ctx.run_dir, world=ctx.world,
                                    device=ctx.device, timeout_s=ctx.deadlines.first_s)
-    group = data_parallel_group(trainers, ctx.deadlines.first_s)
+    # Followers wait in this group while rank 0 waits on deadlines of its own (the offload handshake,
+    # runtime.timeout_s): outlast those, so that rank 0's error naming the culprit comes first.
+    group = data_parallel_group(trainers, ctx.deadlines.first_s + ctx.deadlines.running_s)
     policy = build_trainer_policy(cfg, ctx)
     learner = make_learner(cfg.algo, policy, DataParallel(group, ctx.rank, len(trainers)), cfg.rollout.seed)
     start = ckpt.load(resume_from, policy, getattr(learner, "opt", None), ctx.device) if resume_from else None
