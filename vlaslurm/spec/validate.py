@@ -125,6 +125,19 @@ def _check_algo(loaded: "LoadedSpec") -> None:
                 raise loaded.error("env.num_envs", f"each of the {ranks} simulator ranks ({where}) gets {per_rank} "
                                                    f"environments, which must be a multiple of algo.group_size "
                                                    f"({algo.group_size}) so that a group runs on one rank")
+    _check_every_task_played(loaded)
+
+
+def _check_every_task_played(loaded: "LoadedSpec") -> None:
+    # Tasks take turns by group (envs.base.tasks_of): with fewer groups than tasks some are never played.
+    env, algo = loaded.spec.env, loaded.spec.algo
+    group = algo.group_size if algo.type == "grpo" else 1
+    if env.tasks and env.num_envs // group < len(env.tasks):
+        turns = f"groups (env.num_envs={env.num_envs} makes {env.num_envs // group} of algo.group_size={group})" \
+            if group > 1 else f"environments (env.num_envs={env.num_envs})"
+        raise loaded.error("env.tasks", f"{len(env.tasks)} tasks take turns over too few {turns}: some would never "
+                                        f"be played; raise env.num_envs to at least {len(env.tasks) * group} or "
+                                        f"list fewer tasks")
 
 
 def _simulator_ranks(loaded: "LoadedSpec") -> list:
