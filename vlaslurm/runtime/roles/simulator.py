@@ -75,6 +75,7 @@ class SimulatorIO:
         self.gen_pids = [ctx.member("generator", g).pid for g in range(gens)]
         self.inflight: Dict[int, tuple] = {}  # first env id of a request -> (generator, request message)
         self.reconnects = 0
+        self.duplicates = 0  # replies to requests already answered (dropped)
         self._next_look = 0.0
         trainer = ctx.member("trainer", 0)
         self.push = Push(ctx.secret, name="segments->trainer[0]")
@@ -156,7 +157,13 @@ class SimulatorIO:
                     self.stop = self.stop or bool(msg.meta["stop"])
                 elif msg.kind == msgs.ACT:
                     reply = msgs.decode_act(msg)
-                    self.inflight.pop(reply.env_ids[0], None)
+                    if self.inflight.pop(reply.env_ids[0], None) is None:
+                        # Answered already (a request resent to a restarted generator): stepping its
+                        # instances twice, from two threads, would corrupt their episodes.
+                        log.warning("simulator[%d]: dropped a second reply for envs %s from generator[%d]",
+                                    self.ctx.rank, list(reply.env_ids), reply.gen_rank)
+                        self.duplicates += 1
+                        continue
                     self.outstanding[reply.gen_rank] -= 1
                     self.answered[reply.gen_rank] = True
                     self.waiting_since[reply.gen_rank] = time.monotonic()
@@ -306,6 +313,7 @@ class Simulator:
         self.events.flush()
         self.counters.set("shipped_segments", io.shipped_segments)
         self.counters.set("generator_reconnects", io.reconnects)
+        self.counters.set("duplicate_replies", io.duplicates)
         self.counters.set("shipped_steps", io.shipped_steps)
         self.counters.maybe_write(force=True)
         self.heartbeat.beat(None, f"finished env_steps={self.env_steps}", force=True)
