@@ -7,7 +7,7 @@ asks questions on first import). MuJoCo renders headless through
 
 Tasks: `env.tasks` names suites (libero_spatial, libero_object, libero_goal,
 libero_10, libero_90, ...); `env.task_ids` picks task indices within every
-suite (empty: all). Instance g of the run plays task `pairs[g % len(pairs)]`
+suite (empty: all). Instance g of the run plays a pair by GRPO group (`envs.base.tasks_of`)
 of the list of (suite, task index) pairs. Each episode starts from one of the
 suite's fixed init states: `seed % len(init_states)` when seeded, else the
 instance's next one in turn; then `env.settle_steps` no-op steps let objects

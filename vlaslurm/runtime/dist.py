@@ -29,7 +29,8 @@ So:
 - `init_world` gives c10d and vlaslurm a `SealedStore` under a prefix derived
   from the run secret (`store_prefix`): every value is AES-GCM encrypted and
   authenticated with a key derived from the secret, bound to its key name. A
-  client without the secret sees only opaque names and ciphertext; a value it
+  client without the secret can list the key names (the prefix and c10d's own
+  names) but reads only ciphertext; a value it
   writes or moves fails authentication and stops the reading rank with a
   `StoreTampered` error naming the key, instead of being used.
 - gloo listens on the interface that holds the rank's address
@@ -262,6 +263,8 @@ class SealedStore(dist.Store):
 
     def add(self, key: str, amount: int) -> int:
         raw = self._current(key)
+        if amount == 0 and raw:  # a poll (c10d's store barrier): read it, do not rewrite it under the others
+            return int(self._open(key, raw))
         while True:
             total = (int(self._open(key, raw)) if raw else 0) + amount
             new = self._seal(key, str(total))

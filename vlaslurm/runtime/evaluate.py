@@ -58,7 +58,7 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         if self.episodes < 1 or self.keep_failed < 0:
-            raise ValueError(f"eval needs --episodes >= 1 and keep_failed >= 0, got {self.episodes} and "
+            raise ValueError(f"eval needs --episodes >= 1 and --keep-failed >= 0, got {self.episodes} and "
                              f"{self.keep_failed}")
 
     def args(self) -> List[str]:
@@ -307,7 +307,8 @@ def _gather_parts(ctx: RankContext, sims: int) -> List[dict]:
         silent = [r for r, b in zip(missing, beats) if time.time() - (b.stat().st_mtime if b.exists() else started)
                   > ctx.deadlines.running_s]
         if silent:
-            raise TimeoutError(f"simulator[0]: simulator ranks {silent} wrote no outcomes and no heartbeat for "
+            names = ", ".join(f"simulator[{r}]" for r in silent)
+            raise TimeoutError(f"simulator[0]: {names} wrote no outcomes and no heartbeat for "
                                f"{ctx.deadlines.running_s:g} s")
         time.sleep(0.5)
 
