@@ -45,6 +45,7 @@ from vlaslurm.spec.schema import ExperimentSpec, RolloutConfig
 log = get_logger("vlaslurm.generator")
 WEIGHTS_CHECK_S = 0.5  # how often the weights are looked for without an announcement
 HELD_NOTICE_S = 1.0  # how often a held request is told so again (it also keeps the simulator's deadline alive)
+STOP_GRACE_S = 5.0  # how long a generator that lost the trainer's store waits for its stop before calling it dead
 
 
 @dataclass
@@ -184,7 +185,21 @@ class Generator:
         if self.announced <= self.version and now < self._next_weights_check:
             return None
         self._next_weights_check = now + WEIGHTS_CHECK_S
-        return self.weights.poll()
+        try:
+            return self.weights.poll()
+        except torch.distributed.DistError as err:
+            # A trainer that finished closes its store at once; its stop may still be on the way to us.
+            if self.wait_for_stop(STOP_GRACE_S):
+                return None
+            raise RuntimeError(f"generator[{self.ctx.rank}]: trainer[0]'s store stopped answering ({err}) and no "
+                               f"stop came within {STOP_GRACE_S:g} s: the trainer died") from err
+
+    def wait_for_stop(self, seconds: float) -> bool:
+        """Take the trainer's announcements for up to `seconds`; whether it said stop."""
+        end = time.monotonic() + seconds
+        while not self.stop and time.monotonic() < end:
+            self.receive(0.05)
+        return self.stop
 
     def over_budget(self) -> bool:
         """Async `hold`: rollouts may run at most max_staleness versions ahead of the trainer."""
@@ -225,6 +240,8 @@ class Generator:
         holding = self.holding_since is not None
         self.receive(0.05 if holding else min(self.batcher.wait_s(self.version, time.monotonic()), 0.05))
         got = self.poll_weights()
+        if self.stop:
+            return
         if got is not None:
             self.install(*got)
         elif self.taken >= self.version:
