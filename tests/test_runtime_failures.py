@@ -1,7 +1,9 @@
 """Every wait has a deadline: a generator that stops answering is named within runtime.timeout_s."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import threading
 import time
@@ -10,6 +12,17 @@ from pathlib import Path
 from runtime_helpers import member_pid, run_spec, synthetic_spec, wait_for
 
 TIMEOUT_S = 3
+
+
+def served_steps(run_dir: Path, generator: int) -> int:
+    """What generator[rank]'s heartbeat says it has served (0 before its first beat)."""
+    beat = run_dir / "heartbeats" / f"generator-{generator}.json"
+    try:
+        progress = json.loads(beat.read_text())["progress"]
+    except (OSError, ValueError, KeyError):
+        return 0
+    match = re.search(r"served_steps=(\d+)", progress)
+    return int(match.group(1)) if match else 0
 
 
 def test_async_simulator_names_a_silent_generator(tmp_path: Path) -> None:
@@ -27,6 +40,8 @@ def test_async_simulator_names_a_silent_generator(tmp_path: Path) -> None:
     pid = wait_for(lambda: member_pid(run_dir, "generator", 1), 30, "generator[1] in the rendezvous")
     wait_for(lambda: (run_dir / "ledger.parquet").exists() or (run_dir / "metrics.jsonl").exists(), 30,
              "first update")
+    # Until generator[1] has answered once, the simulator grants it the first meeting's deadline (60 s)
+    wait_for(lambda: served_steps(run_dir, 1) > 0, 30, "a reply from generator[1]")
     os.kill(pid, signal.SIGSTOP)
     frozen = time.monotonic()
     try:
