@@ -6,13 +6,15 @@ import json
 import re
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Tuple
 
 import pytest
 import yaml
 
 from conftest import vlaslurm
-from vlaslurm.slurm.submit import job_outcome, job_states
+from slurm_helpers import Job, wait_done
+from vlaslurm.runtime.rundir import list_runs
+from vlaslurm.slurm.submit import job_states
 from vlaslurm.slurm.sweep import combinations, parse_seeds, parse_sweep
 from vlaslurm.spec import SpecError
 
@@ -69,24 +71,24 @@ def _wait(predicate, what: str, deadline_s: float = DEADLINE_S) -> None:
         time.sleep(0.5)
 
 
-def _index(root: Path) -> List[dict]:
-    return [json.loads(line) for line in (root / "index.jsonl").read_text().splitlines()]
+def submit_sweep(tmp_path: Path, *args: str) -> Tuple[Path, List[str], str]:
+    """`vlaslurm submit` of SPEC with `args` on the local site; (runs root, job ids, stdout)."""
+    spec = tmp_path / "sweep-probe.yaml"
+    spec.write_text(SPEC)
+    root = tmp_path / "runs"
+    proc = vlaslurm("submit", str(spec), *args, "--site", "local", "--probe", runs_root=root)
+    assert proc.returncode == 0, proc.stderr
+    return root, re.findall(r"submitted job (\d+)", proc.stdout), proc.stdout
 
 
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_three_seed_sweep_runs_on_the_local_cluster(local_slurm, tmp_path: Path) -> None:
-    spec = tmp_path / "sweep-probe.yaml"
-    spec.write_text(SPEC)
-    root = tmp_path / "runs"
-    proc = vlaslurm("submit", str(spec), "--site", "local", "--seeds", "0,1,2", "--sweep-name", "probe-seeds",
-                    "--probe", runs_root=root)
-    assert proc.returncode == 0, proc.stderr
-    job_ids = re.findall(r"submitted job (\d+)", proc.stdout)
-    assert len(job_ids) == 3 and "sweep probe-seeds: 3 jobs" in proc.stdout
-    entries = [e for e in _index(root) if e["sweep"] == "probe-seeds"]
-    assert sorted(e["job_id"] for e in entries) == sorted(job_ids)
-    run_dirs = [Path(e["run_dir"]) for e in entries]
+    root, job_ids, out = submit_sweep(tmp_path, "--seeds", "0,1,2", "--sweep-name", "probe-seeds")
+    assert len(job_ids) == 3 and "sweep probe-seeds: 3 jobs" in out
+    entries = [r for r in list_runs(root) if r.sweep == "probe-seeds"]
+    assert sorted(r.job_id for r in entries) == sorted(job_ids)
+    run_dirs = [Path(r.run_dir) for r in entries]
     seeds = sorted(yaml.safe_load((d / "spec.yaml").read_text())["rollout"]["seed"] for d in run_dirs)
     assert seeds == [0, 1, 2]
     for d in run_dirs:  # the site's values reached the job
@@ -95,12 +97,9 @@ def test_three_seed_sweep_runs_on_the_local_cluster(local_slurm, tmp_path: Path)
         assert "#SBATCH --time=00:10:00" in script and (d / "site.yaml").exists()
         assert json.loads((d / "run.json").read_text())["sweep"] == "probe-seeds"
 
-    def all_done() -> bool:
-        return all(job_outcome(d) is not None and not set(job_states(j).values()) & {"RUNNING", "PENDING"}
-                   for d, j in zip(run_dirs, [e["job_id"] for e in entries]))
-
-    _wait(all_done, "the sweep's three jobs")
-    assert [job_outcome(d) for d in run_dirs] == [0, 0, 0], [sorted((d / "logs").rglob("*.log")) for d in run_dirs]
+    end = time.monotonic() + DEADLINE_S  # one deadline for the three jobs together
+    outcomes = [wait_done(Job(r.job_id, Path(r.run_dir)), max(0.0, end - time.monotonic())) for r in entries]
+    assert outcomes == [0, 0, 0], [sorted((d / "logs").rglob("*.log")) for d in run_dirs]
     status = vlaslurm("status", "probe-seeds", runs_root=root)
     assert status.returncode == 0 and status.stdout.count("state    COMPLETED") == 3
     runs = vlaslurm("runs", "--sweep", "probe-seeds", "--state", "completed", runs_root=root)
@@ -110,14 +109,9 @@ def test_three_seed_sweep_runs_on_the_local_cluster(local_slurm, tmp_path: Path)
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_cancel_takes_a_sweep_name(local_slurm, tmp_path: Path) -> None:
-    spec = tmp_path / "sweep-probe.yaml"
-    spec.write_text(SPEC)
-    root = tmp_path / "runs"
     # long jobs: the generator never comes and the others would wait 300 s
-    proc = vlaslurm("submit", str(spec), "runtime.first_meeting_timeout_s=300", "--site", "local", "--seeds", "0-1",
-                    "--sweep-name", "to-cancel", "--probe", "--absent", "generator", runs_root=root)
-    assert proc.returncode == 0, proc.stderr
-    job_ids = re.findall(r"submitted job (\d+)", proc.stdout)
+    root, job_ids, _ = submit_sweep(tmp_path, "runtime.first_meeting_timeout_s=300", "--seeds", "0-1",
+                                    "--sweep-name", "to-cancel", "--absent", "generator")
     _wait(lambda: all("RUNNING" in set(job_states(j).values()) for j in job_ids), "both jobs to start")
     cancel = vlaslurm("cancel", "to-cancel", runs_root=root)
     assert cancel.returncode == 0 and all(f"cancelled job {j}" in cancel.stdout for j in job_ids)
