@@ -81,6 +81,16 @@ def check(cfg: Any, timeout_s: Optional[float] = None) -> Report:
     return report
 
 
+def check_once_per_node(cfg: Any, rank: int) -> Optional[Report]:
+    """`check` on the first task of a step on each node (rank 0 locally), unless VLASLURM_PREFLIGHT=off.
+
+    Simulator ranks call it before building their environments, to fail fast with what is missing
+    (Vulkan ICD, EGL, assets) instead of a segfault or a hang."""
+    if int(os.environ.get("SLURM_LOCALID", rank)) != 0 or os.environ.get("VLASLURM_PREFLIGHT", "on") == "off":
+        return None
+    return check(cfg)
+
+
 def run(cfg: Any, timeout_s: Optional[float] = None) -> Report:
     """Run both passes and return what they found (never raises for simulator problems)."""
     env_cfg: EnvConfig = getattr(cfg, "env", cfg)

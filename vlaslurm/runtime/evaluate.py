@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import traceback
@@ -232,13 +231,12 @@ def simulate(ctx: RankContext, cfg: EvalConfig) -> int:
     """A simulator rank of an eval job: its environments' episodes, with actions from its generator;
     rank 0 then merges every rank's outcomes into `eval.json`."""
     from vlaslurm.envs import preflight
-    from vlaslurm.runtime.roles.simulator import _first_on_node
 
     spec = ctx.spec
     sims = ctx.info.ranks["simulator"]
     local = spec.env.num_envs // sims
-    if _first_on_node(ctx) and os.environ.get("VLASLURM_PREFLIGHT", "on") != "off":
-        log.info("%s", preflight.check(spec.env).text())  # what is missing (Vulkan, EGL, assets), not a segfault
+    if report := preflight.check_once_per_node(spec.env, ctx.rank):
+        log.info("%s", report.text())
     env = make_env(spec.env, num_envs=local, rank=ctx.rank, seed=spec.rollout.seed)
     meet(ctx, ports={}, extra=env_dims(env, spec.env), roles=())  # no torch.distributed world: nothing to sync
     outcomes = Outcomes(ctx.run_dir, cfg.keep_failed, first_index=ctx.rank * cfg.keep_failed)

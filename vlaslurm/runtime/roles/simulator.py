@@ -526,11 +526,6 @@ def env_dims(env: VecEnv, cfg: EnvConfig) -> Dict[str, int]:
             "image_size": cfg.obs.image_size, "num_cameras": len(cfg.obs.cameras) if cfg.obs.image_size else 0}
 
 
-def _first_on_node(ctx: RankContext) -> bool:
-    """One preflight per node: the first task of this step on its node (rank 0 locally)."""
-    return int(os.environ.get("SLURM_LOCALID", ctx.rank)) == 0
-
-
 def run(ctx: RankContext, cfg: Optional[SimulatorConfig] = None) -> int:
     """Entry point of a simulator rank."""
     cfg = cfg or SimulatorConfig.from_spec(ctx.spec)
@@ -538,9 +533,8 @@ def run(ctx: RankContext, cfg: Optional[SimulatorConfig] = None) -> int:
     local_count = cfg.env.num_envs // ranks
     signals.install(drain_on_term=False)
     incarnation = signals.incarnation()
-    if _first_on_node(ctx) and os.environ.get("VLASLURM_PREFLIGHT", "on") != "off":
-        # Fail fast with what is missing (Vulkan ICD, EGL, assets) instead of a segfault or a hang.
-        log.info("%s", preflight.check(cfg.env).text())
+    if report := preflight.check_once_per_node(cfg.env, ctx.rank):
+        log.info("%s", report.text())
     env = make_env(cfg.env, num_envs=local_count, rank=ctx.rank, seed=cfg.rollout.seed, group_size=cfg.group_size)
     meet(ctx, ports={}, extra=env_dims(env, cfg.env), roles=world_roles(ctx.spec))
     io = SimulatorIO(ctx, cfg.rollout.mode)
