@@ -4,7 +4,10 @@ process), with a fixed seed, in sync and in async mode:
 - PPO's success rises above 0.5 (going to the nearest object while ignoring the instruction gives 31-33%);
 - GRPO's rises to at least 3x the random policy's success, measured here on the same env settings.
 
-The bars are the issue's; the budgets (env steps) are tuned to pass with a margin on 2 loaded cores.
+The bars are the issue's. Async runs are not reproducible (arrival order sets batches and versions), so a
+fixed seed does not fix their outcome: the budgets (env steps) come from the spread over seeds in
+benchmarks/learning_curves.py, where PPO async crossed 50% between 37k and 60k env steps and GRPO async
+stayed near 0.10-0.13 until 45k on its slowest seed (0.21 by 60k). 45k and 40k failed CI runs so.
 Success is the mean over the run's last progress reports (each over the episodes since the one before).
 """
 from __future__ import annotations
@@ -21,6 +24,8 @@ from vlaslurm.envs.toy import baseline_success
 pytestmark = pytest.mark.slow
 
 LAST_REPORTS = 3
+PPO_STEPS = 70_000
+GRPO_STEPS = 60_000
 
 
 def toy_spec(algo: dict, mode: str, total_env_steps: int) -> dict:
@@ -63,13 +68,13 @@ def run_toy(tmp_path: Path, algo: dict, mode: str, total_env_steps: int) -> floa
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_ppo_learns_to_use_the_instruction(tmp_path: Path, mode: str):
-    success = run_toy(tmp_path, PPO, mode, total_env_steps=45_000)
-    assert success > 0.5, f"PPO ({mode}) success {success:.2f} after 45k env steps"
+    success = run_toy(tmp_path, PPO, mode, total_env_steps=PPO_STEPS)
+    assert success > 0.5, f"PPO ({mode}) success {success:.2f} after {PPO_STEPS} env steps"
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_grpo_beats_random_threefold(tmp_path: Path, mode: str, random_rate: float):
-    success = run_toy(tmp_path, GRPO, mode, total_env_steps=40_000)
+    success = run_toy(tmp_path, GRPO, mode, total_env_steps=GRPO_STEPS)
     assert success >= 3 * random_rate, f"GRPO ({mode}) success {success:.2f}, random {random_rate:.3f}"
 
 
