@@ -100,6 +100,7 @@ class CpuCosts:
     request_s: float = 0.0  # simulator main thread, per request: encode, send, receive, decode (real sockets)
     record_s: float = 0.0  # simulator main thread, per instance and decision: segment bookkeeping
     serve_s: float = 0.0  # generator, per request: receive, decode, encode and send its reply
+    wake_s: float = 0.0  # generator, per batch: waking from its poll for the batch's requests
     segment_s: float = 0.0  # trainer, per segment received: receive and decode it
 
 
@@ -123,7 +124,9 @@ class Costs:
     message_s: float = 0.0  # simulator main thread, per request: observation out, actions in
     record_s: float = 0.0  # simulator main thread, per instance and decision: segment bookkeeping
     request_s: float = 0.0  # generator, per request: decode it, encode the reply
-    batch_s: float = 0.0  # generator, per batch: its loop's fixed work (nccl sync: a store round trip per turn)
+    # generator, per batch: its loop's fixed work, waking for the batch's requests (weights are looked for
+    # when the trainer announces them, not with a store round trip per batch)
+    batch_s: float = 0.0
     episode_len: np.ndarray = field(default_factory=lambda: np.asarray([100]))  # samples, env steps
     allreduce_bytes_per_s: float = 10e9  # gradient all-reduce bandwidth between trainer ranks
     param_bytes: float = 0.0
@@ -265,7 +268,7 @@ def from_profile(prof: Dict, spec) -> Costs:
         update_s=Curve(list(map(float, upd["sizes"])), isotonic(upd["seconds"])),
         publish_s=float(publish), install_s=float(install), hop_s=hop_s(prof, cpu),
         message_s=message, record_s=record, request_s=request,
-        batch_s=float(prof["transport"]["round_trip_s"]) if spec.rollout.weight_sync == "nccl" else 0.0,
+        batch_s=cpu.wake_s if cpu else 0.0,
         memory=Memory(capacity=float(prof["capacity_bytes"]), sim_base=sim["memory"]["base"],
                       sim_per_env=sim["memory"]["per_env"], gen_base=gen["memory"]["base"],
                       gen_per_item=gen["memory"]["per_item"], train_base=tr["memory"]["base"],
@@ -300,7 +303,8 @@ def cpu_costs(prof: Dict) -> Optional[CpuCosts]:
                     forward_s=Curve(list(map(float, fwd["sizes"])), isotonic(fwd["cpu_seconds"])),
                     update_s=Curve(list(map(float, upd["sizes"])), isotonic(upd["cpu_seconds"])),
                     request_s=float(over["sim_request_cpu_s"]), record_s=float(over["record_cpu_s"]),
-                    serve_s=float(over["gen_serve_cpu_s"]), segment_s=float(over["segment_cpu_s"]))
+                    serve_s=float(over["gen_serve_cpu_s"]), wake_s=float(over.get("gen_wake_cpu_s", 0.0)),
+                    segment_s=float(over["segment_cpu_s"]))
 
 
 def isotonic(values: Sequence[float]) -> List[float]:

@@ -137,7 +137,7 @@ def cpu_demand(cand: Candidate, work: Workload, costs: Costs) -> Dict[str, float
     b = max(1, min(cand.max_batch, work.num_envs // cand.gen if cand.mode == "async" else items))
     spu = work.steps_per_update
     return {"simulator": cpu.step_s + (cpu.request_s / n + cpu.record_s) / C,
-            "generator": cpu.forward_s(b) / (b * C) + cpu.serve_s / (n * C),
+            "generator": (cpu.forward_s(b) + cpu.wake_s) / (b * C) + cpu.serve_s / (n * C),
             "trainer": cpu.update_s(spu / cand.train) * cand.train / spu}
 
 
@@ -190,14 +190,29 @@ def rank(spec, costs: Costs, units: Optional[int] = None, work: Optional[Workloa
     pool.sort(key=lambda c: -estimate(c, work, costs))
     done: Dict[Candidate, Ranked] = {}
     for cand in pool[:simulate_top]:
-        done[cand] = Ranked(cand, simulate(cand, work, costs, updates=updates))
+        done[cand] = Ranked(cand, predict(cand, work, costs, updates))
     best = sorted(done.values(), key=lambda r: -r.score)[:tune_top]
     for r in best:
         for b, w in batching_options(r.cand, work):
             cand = replace(r.cand, max_batch=b, max_wait_ms=w)
             if cand not in done and not memory_check(cand, work, costs):
-                done[cand] = Ranked(cand, simulate(cand, work, costs, updates=updates))
+                done[cand] = Ranked(cand, predict(cand, work, costs, updates))
     return order(list(done.values())) + rejected
+
+
+TARGET_SPREAD = 0.02  # relative standard error of a prediction worth simulating longer for
+
+
+def predict(cand: Candidate, work: Workload, costs: Costs, updates: int, longest: int = 4) -> Prediction:
+    """Simulate `updates` updates, and up to `longest` times as many while the throughput's standard error
+    stays above TARGET_SPREAD: lock-step phases gated by a long-tailed slowest group vary most from one
+    short run to the next, steady async pipelines hardly at all, so only the former pay for the length."""
+    pred = simulate(cand, work, costs, updates=updates)
+    n = updates
+    while pred.spread > TARGET_SPREAD and n < updates * longest:
+        n *= 2
+        pred = simulate(cand, work, costs, updates=n)
+    return pred
 
 
 def order(ranked: List[Ranked]) -> List[Ranked]:

@@ -39,7 +39,8 @@ from vlaslurm.log import get_logger
 from vlaslurm.placement.costs import summarize
 
 log = get_logger("vlaslurm.placement")
-PROFILE_VERSION = 4  # 4: CPU seconds beside wall times, the runtime's per-decision work over real sockets
+PROFILE_VERSION = 5  # 4: CPU seconds beside wall times, the runtime's per-decision work over real sockets;
+# 5: the generator's per-request CPU measured in bursts, its wake-up per batch apart
 ROLES = ("simulator", "generator", "trainer")
 
 
@@ -401,7 +402,8 @@ def _overhead(spec, obs, dims, transport: Dict[str, Any], run_chunk_s: float) ->
     - simulator, per instance and decision: run_chunk's loop around the steps (`run_chunk_s`),
       EnvTrack.record, and encoding the segments it ships;
     - generator, per request: its side of the round trip (receive, verify, sign, send)
-      and decoding the observation, encoding the actions;
+      as measured in bursts, and decoding the observation, encoding the actions;
+    - generator, per batch: waking for it (a lone request's CPU beyond a burst's share);
     - trainer, per segment: verify and decode it.
     """
     from vlaslurm.runtime import messages as msgs
@@ -431,7 +433,9 @@ def _overhead(spec, obs, dims, transport: Dict[str, Any], run_chunk_s: float) ->
     seg_decode = _cpu_per_call(lambda: msgs.decode_segment(decode(wire, key)), 50)
     return {"sim_request_cpu_s": transport["client_cpu_s"] + sim_payload,
             "record_cpu_s": run_chunk_s + record + seg_encode * len(segments) / rounds,
-            "gen_serve_cpu_s": transport["server_cpu_s"] + gen_payload, "segment_cpu_s": seg_decode}
+            "gen_serve_cpu_s": transport["server_burst_cpu_s"] + gen_payload,
+            "gen_wake_cpu_s": max(0.0, transport["server_cpu_s"] - transport["server_burst_cpu_s"]),
+            "segment_cpu_s": seg_decode}
 
 
 def _act_reply(chunk: int, action_dim: int):
@@ -620,7 +624,10 @@ def _measure_transport(spec, obs, dims) -> Dict[str, Any]:
     side spends per round trip (an observation out, an action chunk back).
 
     The echo process blocks in a poll between requests, as the roles do, so the
-    latency includes waking a process: on a busy machine that is most of it.
+    latency includes waking a process: on a busy machine that is most of it. A
+    second series sends bursts of `ECHO_BURST` requests, which the echo process
+    drains in one wake-up as the generator drains a batch's requests: its CPU per
+    request is the per-request share, the rest of a lone request's is the wake-up's.
     """
     import subprocess
     import sys
@@ -636,20 +643,14 @@ def _measure_transport(spec, obs, dims) -> Dict[str, Any]:
         echo.stdin.flush()
         endpoint = echo.stdout.readline().strip()
         req = msgs.encode_obs(msgs.ObsRequest([0], [0], [0], [0], _tile_obs(obs, 1), 0, 0))
-        times, cpu = [], 0.0
         with Dealer(key, name="profile") as dealer:
             dealer.connect(endpoint)
-            for i in range(ECHO_WARMUP + 200):
-                time.sleep(0.002)
-                start, cpu0 = time.perf_counter(), time.process_time()
-                dealer.send(req)
-                if dealer.recv(5000) is None:
-                    raise TimeoutError("the transport echo process did not answer within 5 s")
-                if i >= ECHO_WARMUP:
-                    times.append(time.perf_counter() - start)
-                    cpu += time.process_time() - cpu0
-            dealer.send(msgs.ctl(0, 0, True))
+            times, cpu = _echo_rounds(dealer, req, 1, ECHO_WARMUP + 200)
+            dealer.send(msgs.ctl(0, 0, False))  # the echo process reports its lone-request CPU, then bursts
             server_cpu = float(echo.stdout.readline())
+            _, burst_cpu = _echo_rounds(dealer, req, ECHO_BURST, ECHO_WARMUP + 60)
+            dealer.send(msgs.ctl(0, 0, True))
+            server_burst_cpu = float(echo.stdout.readline())
     finally:
         try:
             echo.wait(10)
@@ -657,15 +658,37 @@ def _measure_transport(spec, obs, dims) -> Dict[str, Any]:
             echo.kill()
     rtt = float(np.mean(times))
     return {"round_trip_s": rtt, "round_trip_p99_s": float(np.quantile(times, 0.99)), "hop_s": rtt / 2,
-            "client_cpu_s": cpu / len(times), "server_cpu_s": server_cpu, "load_average": os.getloadavg()[0]}
+            "client_cpu_s": cpu, "server_cpu_s": server_cpu, "client_burst_cpu_s": burst_cpu,
+            "server_burst_cpu_s": server_burst_cpu, "burst": ECHO_BURST, "load_average": os.getloadavg()[0]}
+
+
+def _echo_rounds(dealer, request, burst: int, rounds: int) -> Tuple[List[float], float]:
+    """`rounds` rounds of `burst` requests sent at once and their replies; the round trips' wall times
+    and the client's CPU seconds per request, both after the warm-up rounds."""
+    times, cpu = [], 0.0
+    for i in range(rounds):
+        time.sleep(0.002)  # let the echo process fall back into its poll
+        start, cpu0 = time.perf_counter(), time.process_time()
+        for _ in range(burst):
+            dealer.send(request)
+        for _ in range(burst):
+            if dealer.recv(5000) is None:
+                raise TimeoutError("the transport echo process did not answer within 5 s")
+        if i >= ECHO_WARMUP:
+            times.append(time.perf_counter() - start)
+            cpu += time.process_time() - cpu0
+    return times, cpu / max(1, len(times) * burst)
 
 
 ECHO_WARMUP = 30
+ECHO_BURST = 8
 
 
 def _echo_server() -> None:
     """The other end of `_measure_transport`: 'key chunk action_dim' on stdin, endpoint on stdout; answers
-    each request with an action chunk until a ctl message, then prints its CPU seconds per request."""
+    each request with an action chunk, draining every request that is ready before it polls again; at
+    each ctl message prints its CPU seconds per request since the last one (warm-up left out), and at a
+    ctl message that says stop, returns."""
     import sys
 
     from vlaslurm.runtime import messages as msgs
@@ -673,20 +696,21 @@ def _echo_server() -> None:
 
     hex_key, chunk, action_dim = sys.stdin.readline().split()
     reply = msgs.encode_act(_act_reply(int(chunk), int(action_dim)))
-    served, start = 0, 0.0
+    served, start = -ECHO_WARMUP, time.process_time()
     with Router(bytes.fromhex(hex_key), name="echo") as router:
         print(router.bind("127.0.0.1"), flush=True)
         poller = Poller(router)
         while True:
             for sock in poller.poll(1000):
-                got = sock.recv(0)
-                if got is None:
-                    continue
-                peer, msg = got
-                if msg.kind == "ctl":
-                    print((time.process_time() - start) / max(1, served - ECHO_WARMUP), flush=True)
-                    return
-                router.send(peer, reply)
-                served += 1
-                if served == ECHO_WARMUP:
-                    start = time.process_time()
+                while (got := sock.recv(0)) is not None:
+                    peer, msg = got
+                    if msg.kind == "ctl":
+                        print((time.process_time() - start) / max(1, served), flush=True)
+                        if msg.meta["stop"]:
+                            return
+                        served, start = -ECHO_WARMUP * ECHO_BURST, time.process_time()
+                        continue
+                    router.send(peer, reply)
+                    served += 1
+                    if served == 0:
+                        start = time.process_time()

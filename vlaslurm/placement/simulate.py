@@ -94,7 +94,7 @@ class Prediction:
     # installs), trainer per trainer group (updates, publishing).
     util: Dict[str, float]
     lag: Dict[str, float]  # Δv over used segments: mean, p50, p99, max
-    dropped: float  # fraction of received steps dropped
+    dropped: float  # fraction of consumed steps dropped, in the steady state (as `sps`)
     updates: int
     sim_seconds: float
     cpu: Dict[str, float] = field(default_factory=dict)  # cores each role keeps busy at `sps`
@@ -385,7 +385,8 @@ class Pipeline:
         g.busy = True
         duration = self.k.forward_s(n) + self.k.request_s * len(batch) + self.k.batch_s
         if self.k.cpu:
-            self.cpu_s["generator"] += self.k.cpu.forward_s(n) + self.k.cpu.serve_s * len(batch)
+            self.cpu_s["generator"] += (self.k.cpu.forward_s(n) + self.k.cpu.serve_s * len(batch)
+                                          + self.k.cpu.wake_s)
         g.busy_s += duration
         g.served += n * self.w.chunk
         self.at(self._on_device(index, duration), self.served, index, batch, g.version)
@@ -464,7 +465,7 @@ class Pipeline:
         self.serve(index)
 
     def trained(self) -> None:
-        self.reports.append((self.now, self.received))
+        self.reports.append((self.now, self.received, self.consumed, self.dropped_steps))
         self.version += 1
         self.at(self.now + self.k.publish_s, self.published)
 
@@ -481,17 +482,19 @@ class Pipeline:
     # ------------------------------------------------------------------ result
     def _prediction(self) -> Prediction:
         reps = self.reports
-        first = reps[max(0, len(reps) // 4)] if len(reps) > 2 else (0.0, 0)
-        last = reps[-1] if reps else (self.now, self.received)
+        first = reps[max(0, len(reps) // 4)] if len(reps) > 2 else (0.0, 0, 0, 0)
+        last = reps[-1] if reps else (self.now, self.received, self.consumed, self.dropped_steps)
         span = last[0] - first[0]
         des_sps = (last[1] - first[1]) / span if span > 0 else 0.0
+        # The dropped share of the same steady window: the warm-up drops nothing yet.
+        consumed, dropped_steps = last[2] - first[2], last[3] - first[3]
         # CPU seconds per env step of each role, over the whole run; the shared cores bound the rate.
         demand = {r: c / self.env_steps for r, c in self.cpu_s.items()} if self.env_steps and self.k.cpu else {}
         bound = cpu_bound(demand, cpu_pools(self.c, self.w, self.k.host_cores))
         sps = min(des_sps, bound)
         stretch = des_sps / sps if sps > 0 else 1.0  # every busy time spreads over a longer wall when CPU binds
         wall = max(self.now, 1e-9) * stretch
-        dropped = self.dropped_steps / self.consumed if self.consumed else 0.0
+        dropped = dropped_steps / consumed if consumed > 0 else 0.0
         lags = np.asarray(self.lags or [0])
         util = {"simulator": self.env_busy_s / (self.w.num_envs * wall),
                 "generator": sum(g.busy_s for g in self.gens) / (len(self.gens) * wall),
@@ -508,7 +511,7 @@ class Pipeline:
         state (the received-steps curve interpolated between reports, so bursts of updates even out)."""
         if len(reps) < 3:
             return 0.0
-        times, steps = np.asarray(reps, float).T
+        times, steps = np.asarray(reps, float)[:, :2].T
         edges = np.linspace(times[0], times[-1], windows + 1)
         rates = np.diff(np.interp(edges, times, steps)) / np.diff(edges)
         if not rates.mean() > 0:
