@@ -466,8 +466,7 @@ def lead(cfg: TrainerConfig, ctx: RankContext, policy, learner, col: Collector, 
     offloader = trainer_offloader(ctx, policy, learner, col.events)
     leave_device(ctx, col, offloader, version, ctx.deadlines.first_s)  # the other ranks are still starting
     publisher.publish(version, policy.state_dict())
-    keepalive_s = min(ctx.deadlines.first_s, ctx.deadlines.running_s) / 4  # well inside the group's timeout
-    last_keepalive = time.monotonic()
+    idle = Idle(ctx, col, group, src)
     try:
         while True:
             if signals.requested():
@@ -476,30 +475,12 @@ def lead(cfg: TrainerConfig, ctx: RankContext, policy, learner, col: Collector, 
             col.announce(version)
             col.receive(20)
             if not col.ready(version):
-                col.heartbeat.beat(version, f"env_steps={col.received_steps} waiting for data")
-                check_starved(time.monotonic() - col.last_arrival, ctx.deadlines.running_s,
-                              generator_states(ctx.run_dir))
-                if group is not None and time.monotonic() - last_keepalive > keepalive_s:
-                    send_keepalive(version, group, src)
-                    last_keepalive = time.monotonic()
+                idle.wait(version)
                 continue
             used = col.take(version)
             if not used:
                 continue
-            if col.lockstep:
-                col.taken = version
-                col.announce(version, force=True)  # the phase is over: collocated generators leave the GPU
-            enter_device(ctx, col, offloader, version)
-            if hasattr(policy, "set_std_progress"):
-                policy.set_std_progress(min(1.0, col.received_steps / cfg.rollout.total_env_steps))
-            t0, ev0 = time.monotonic(), ctx.now()
-            batch = collate(used).to(ctx.device)
-            if group is not None:
-                broadcast_batch(collate(used), version, group, src)
-            stats = learner.update(batch, version)
-            col.events.add("update", t0=ev0, t1=ctx.now(), v=version, segments=len(used),
-                           steps=sum(s.steps for s in used))
-            col.report(version, used, stats, time.monotonic() - t0)
+            run_update(cfg, ctx, policy, learner, col, offloader, group, src, used, version)
             if col.received_steps >= cfg.rollout.total_env_steps:
                 break
             version += 1
@@ -509,21 +490,12 @@ def lead(cfg: TrainerConfig, ctx: RankContext, policy, learner, col: Collector, 
                 save_checkpoint(cfg, ctx, col, policy, learner)
             if signals.requested():
                 continue  # saved at the top of the loop (again only if not just saved)
-            col.events.add("publish", t=ctx.now(), v=version)
-            # Announce first: generators look for weights when announced (a broadcast waits for all of them);
-            # lock-step requests for the new version wait at the generator until it is installed.
-            col.announce(version, force=True)
-            leave_device(ctx, col, offloader, version, ctx.deadlines.running_s)
-            publisher.publish(version, policy.state_dict())  # the WeightPublisher protocol: no per-call timeout
+            publish_version(ctx, col, offloader, publisher, policy, version)
     finally:
         if group is not None:
             broadcast_batch(None, version, group, src)
         if drained:
-            newest = ckpt.latest(ctx.run_dir)
-            if newest is None or newest.name != f"v{version:08d}":  # not saved at this boundary yet
-                save_checkpoint(cfg, ctx, col, policy, learner)
-            log.warning("%s: checkpoint v%d saved; stopping every rank (a requeue or `vlaslurm resume` continues "
-                        "from it)", drained, version)
+            save_drained(cfg, ctx, col, policy, learner, drained, version)
         col.drain(version, deadline_s=2.0 if drained else None)
         col.close()
         tracker.close()
@@ -534,6 +506,62 @@ def lead(cfg: TrainerConfig, ctx: RankContext, policy, learner, col: Collector, 
     log.info("finished: %d env steps, %d versions, %d segments dropped, %d discarded", col.received_steps,
              version + 1, col.dropped, col.discarded)
     return 0
+
+
+class Idle:
+    """Trainer rank 0 while no batch is ready: heartbeat, the starvation check, keep-alives to the followers."""
+
+    def __init__(self, ctx: RankContext, col: Collector, group, src: int) -> None:
+        self.ctx, self.col, self.group, self.src = ctx, col, group, src
+        self.keepalive_s = min(ctx.deadlines.first_s, ctx.deadlines.running_s) / 4  # well inside the group's timeout
+        self.last_keepalive = time.monotonic()
+
+    def wait(self, version: int) -> None:
+        col = self.col
+        col.heartbeat.beat(version, f"env_steps={col.received_steps} waiting for data")
+        check_starved(time.monotonic() - col.last_arrival, self.ctx.deadlines.running_s,
+                      generator_states(self.ctx.run_dir))
+        if self.group is not None and time.monotonic() - self.last_keepalive > self.keepalive_s:
+            send_keepalive(version, self.group, self.src)
+            self.last_keepalive = time.monotonic()
+
+
+def run_update(cfg: TrainerConfig, ctx: RankContext, policy, learner, col: Collector, offloader: Offloader, group,
+               src: int, used: List[msgs.Segment], version: int) -> None:
+    """One update of version `version` on the batch `used`, joined by the follower ranks; then its report."""
+    if col.lockstep:
+        col.taken = version
+        col.announce(version, force=True)  # the phase is over: collocated generators leave the GPU
+    enter_device(ctx, col, offloader, version)
+    if hasattr(policy, "set_std_progress"):
+        policy.set_std_progress(min(1.0, col.received_steps / cfg.rollout.total_env_steps))
+    t0, ev0 = time.monotonic(), ctx.now()
+    batch = collate(used)
+    if group is not None:
+        broadcast_batch(batch, version, group, src)
+    stats = learner.update(batch.to(ctx.device), version)
+    col.events.add("update", t0=ev0, t1=ctx.now(), v=version, segments=len(used), steps=sum(s.steps for s in used))
+    col.report(version, used, stats, time.monotonic() - t0)
+
+
+def publish_version(ctx: RankContext, col: Collector, offloader: Offloader, publisher, policy, version: int) -> None:
+    """Hand `version` to the generators."""
+    col.events.add("publish", t=ctx.now(), v=version)
+    # Announce first: generators look for weights when announced (a broadcast waits for all of them);
+    # lock-step requests for the new version wait at the generator until it is installed.
+    col.announce(version, force=True)
+    leave_device(ctx, col, offloader, version, ctx.deadlines.running_s)
+    publisher.publish(version, policy.state_dict())  # the WeightPublisher protocol: no per-call timeout
+
+
+def save_drained(cfg: TrainerConfig, ctx: RankContext, col: Collector, policy, learner, why: str,
+                 version: int) -> None:
+    """A drain signal came: make sure a checkpoint of `version` exists before every rank stops."""
+    newest = ckpt.latest(ctx.run_dir)
+    if newest is None or newest.name != f"v{version:08d}":  # not saved at this boundary yet
+        save_checkpoint(cfg, ctx, col, policy, learner)
+    log.warning("%s: checkpoint v%d saved; stopping every rank (a requeue or `vlaslurm resume` continues "
+                "from it)", why, version)
 
 
 def follow(ctx: RankContext, policy, learner, group, src: int, version: int = 0) -> int:
