@@ -52,3 +52,14 @@ def test_no_stall_when_everyone_beats_or_everyone_is_silent() -> None:
     assert stalled_ranks(dead, 20, now) == []  # over or killed: the state says which
     finished = {"trainer-0": {"time": now - 1}, "simulator-0": {"time": now - 400, "progress": "finished env_steps=9"}}
     assert stalled_ranks(finished, 20, now) == []
+
+
+def test_status_shows_an_eval_runs_result(tmp_path: Path) -> None:
+    from vlaslurm.runtime.evaluate import EvalConfig, write_summary
+
+    info = fake_run(tmp_path, {"simulator-0": (500, 0, "finished env_steps=90")})
+    assert "eval " not in describe_run(info)  # a training run, or an eval not done yet
+    parts = [{"pick": {"0": True, "1": False}}, {"pick": {"2": True}, "push": {"3": True}}]
+    write_summary(Path(info.run_dir), "spec.yaml", EvalConfig(episodes=4), parts)
+    line = next(x for x in describe_run(info).splitlines() if x.startswith("eval "))
+    assert "success 0.75 over 4 episodes" in line and "pick 0.67" in line and "push 1.00" in line, line

@@ -65,6 +65,7 @@ def describe_run(info: RunInfo, now: Optional[float] = None) -> str:
                      f"{record['exit_code']}")
     newest = latest(run_dir)
     lines.append(f"ckpt     {newest.name if newest else 'none yet'}")
+    lines += eval_lines(run_dir)
     beats = heartbeats(run_dir)
     now = time.time() if now is None else now
     for name, beat in beats.items():
@@ -76,6 +77,21 @@ def describe_run(info: RunInfo, now: Optional[float] = None) -> str:
             lines.append(f"STALLED  {name}: no heartbeat for {age:.0f} s (others are alive); see "
                          f"vlaslurm logs {info.run_dir} --role {name.split('-')[0]}")
     return "\n".join(lines)
+
+
+def eval_lines(run_dir: Path) -> List[str]:
+    """An eval run's result, once its eval.json is written: success overall and per task."""
+    from vlaslurm.runtime.evaluate import EVAL_FILE
+
+    try:
+        summary = json.loads((Path(run_dir) / EVAL_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return []
+    outcomes = [ok for eps in summary["outcomes"].values() for ok in eps.values()]
+    overall = sum(outcomes) / max(1, len(outcomes))
+    tasks = ", ".join(f"{task} {rate:.2f}" for task, rate in summary["success"].items())
+    return [f"eval     success {overall:.2f} over {len(outcomes)} episodes ({tasks}); failed trajectories in "
+            f"{Path(run_dir) / 'failed'}"]
 
 
 def heartbeats(run_dir: Path) -> Dict[str, dict]:
