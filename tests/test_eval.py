@@ -148,7 +148,7 @@ def test_eval_job_on_the_cluster_equals_local(local_slurm, tmp_path: Path) -> No
     assert shown.returncode == 0 and str(job_dir) in shown.stdout, shown.stderr
 
 
-def test_cli_eval_local_then_show_and_a_bad_episode_count(tmp_path: Path, capsys) -> None:
+def test_cli_eval_local_then_show_and_bad_episode_counts(tmp_path: Path, capsys) -> None:
     from vlaslurm.cli import USER_ERROR, main
 
     spec = str(spec_file(tmp_path, 1.0))
@@ -160,3 +160,8 @@ def test_cli_eval_local_then_show_and_a_bad_episode_count(tmp_path: Path, capsys
     assert re.search(r"\ba\W+2\W+1\.00\b", shown) and re.search(r"\bb\W+2\W+1\.00\b", shown), shown
     assert main(["eval", spec, "--episodes", "0", "--local"]) == USER_ERROR
     assert "--episodes >= 1" in capsys.readouterr().err
+    # One episode for two tasks: task b would never be played, so nothing runs and nothing is written.
+    runs = len(list((tmp_path / "runs" / "ev-eval").iterdir()))
+    assert main(["--runs-root", str(tmp_path / "runs"), "eval", spec, "--episodes", "1", "--local"]) == USER_ERROR
+    assert "--episodes 1 is fewer than the spec's 2 tasks (env.tasks)" in capsys.readouterr().err
+    assert len(list((tmp_path / "runs" / "ev-eval").iterdir())) == runs

@@ -141,13 +141,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     unless --local; --show prints an earlier eval's table (SPEC is then its run: directory, name or job id)."""
     if args.show:
         return _print_eval(_eval_dir(args))
-    from vlaslurm.runtime.evaluate import EvalConfig, evaluate
+    from vlaslurm.runtime.evaluate import EvalConfig, check_every_task_played, evaluate
 
+    loaded = _load(args)
     try:
         cfg = EvalConfig(args.episodes, args.keep_failed, deterministic=not args.sample)
+        check_every_task_played(loaded.spec, cfg.episodes)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    loaded = _load(args)
     if args.local:
         return _print_eval(evaluate(loaded, _runs_root(args), cfg.episodes, cfg.keep_failed, cfg.deterministic))
     from vlaslurm.slurm.submit import submit

@@ -105,6 +105,16 @@ class Outcomes:
         return {task: {str(e): s for e, s in sorted(eps.items())} for task, eps in sorted(self.success.items())}
 
 
+def check_every_task_played(spec, episodes: int) -> None:
+    """Episode e plays task e % len(env.tasks) (instances take the tasks in turn): with fewer episodes than
+    tasks some would not be played at all, and eval.json would say nothing of them."""
+    tasks = list(getattr(spec.env, "tasks", None) or [])
+    if episodes < len(tasks):
+        raise ValueError(f"--episodes {episodes} is fewer than the spec's {len(tasks)} tasks (env.tasks): some "
+                         f"would never be played; ask for at least {len(tasks)} (a multiple of it plays each "
+                         f"task equally often)")
+
+
 def run_episodes(env: VecEnv, first_gid: int, num_envs: int, cfg: EvalConfig, seed: int, act: Act,
                  outcomes: Outcomes) -> None:
     """Run the episodes of `env`'s instances (global ids from `first_gid`; `num_envs` over all ranks):
@@ -146,6 +156,7 @@ def evaluate(loaded: LoadedSpec, runs_root: Path, episodes: int, keep_failed: in
 
     cfg = EvalConfig(episodes, keep_failed, deterministic)
     spec = loaded.spec
+    check_every_task_played(spec, episodes)
     directory = rundir.new_run_dir(runs_root, job_run_name(spec.name, "eval"))
     env = make_env(spec.env, num_envs=min(spec.env.num_envs, episodes), rank=0, seed=spec.rollout.seed)
     policy = build_policy(spec.model, **env_dims(env, spec.env)).eval()
