@@ -11,9 +11,13 @@ would add up. So each instance carries the lateness of its last wake-up and the
 next step ends that much sooner: a run of steps lasts the sum of its sampled
 times plus one lateness, not one per step. Nothing else is credited: time the
 runtime spends between steps still counts.
+
+For tests of a simulator that hangs, `VLASLURM_SYNTHETIC_HANG=GID:N` makes the step of instance GID
+(global id) after its first N steps never return.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import List, Optional, Sequence
 
@@ -43,6 +47,8 @@ class SyntheticVecEnv:
         self._t = np.zeros(num_envs, dtype=np.int64)
         self._will_succeed = np.zeros(num_envs, dtype=bool)
         self._late = np.zeros(num_envs)  # seconds the last wake-up of each instance came after its deadline
+        self._hang = _hang_hook(self.global_ids)
+        self._steps = np.zeros(num_envs, dtype=np.int64)  # since creation (the hang hook counts them)
 
     def reset(self, env_ids: Sequence[int], seeds: Optional[Sequence[int]] = None) -> Observation:
         ids = np.asarray(env_ids, dtype=np.int64)
@@ -55,6 +61,12 @@ class SyntheticVecEnv:
 
     def step(self, env_ids: Sequence[int], actions: np.ndarray) -> StepResult:
         ids = np.asarray(env_ids, dtype=np.int64)
+        if self._hang is not None:
+            local, after = self._hang
+            if local in ids and self._steps[local] >= after:
+                while True:  # a simulator stuck in its step: nothing comes back
+                    time.sleep(60)
+            self._steps[ids] += 1
         if len(ids):
             self._sleep(ids)
         self._t[ids] += 1
@@ -85,6 +97,16 @@ class SyntheticVecEnv:
         state[:, 0] = self._t[ids] / max(1, self.cfg.episode_steps)
         state[:, 1] = ids
         return Observation(images=None, state=state, instructions=[f"do {self.tasks[i]}" for i in ids])
+
+
+def _hang_hook(global_ids: np.ndarray) -> Optional[tuple]:
+    """(local index, steps) from VLASLURM_SYNTHETIC_HANG when it names one of these instances, else None."""
+    raw = os.environ.get("VLASLURM_SYNTHETIC_HANG")
+    if not raw:
+        return None
+    gid, after = (int(x) for x in raw.split(":"))
+    hits = np.flatnonzero(global_ids == gid)
+    return (int(hits[0]), after) if hits.size else None
 
 
 def sample_ms(dist, rng: np.random.Generator) -> float:

@@ -20,12 +20,14 @@ exactly what an uninterrupted run would have.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import queue
+import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -309,7 +311,7 @@ class Simulator:
         self.counters.maybe_write()
         self.heartbeat.beat(version, f"env_steps={self.env_steps}")
 
-    def close(self, io: SimulatorIO) -> None:
+    def close(self, io: SimulatorIO, close_env: bool = True) -> None:
         self.events.flush()
         self.counters.set("shipped_segments", io.shipped_segments)
         self.counters.set("generator_reconnects", io.reconnects)
@@ -317,7 +319,8 @@ class Simulator:
         self.counters.set("shipped_steps", io.shipped_steps)
         self.counters.maybe_write(force=True)
         self.heartbeat.beat(None, f"finished env_steps={self.env_steps}", force=True)
-        self.env.close()
+        if close_env:
+            self.env.close()
 
 
 def wait_version(sim: "Simulator", io: SimulatorIO, version: int) -> None:
@@ -332,6 +335,16 @@ def wait_version(sim: "Simulator", io: SimulatorIO, version: int) -> None:
         sim.tick(io.version)
 
 
+class StuckStep(TimeoutError):
+    """A chunk has been in env.step for longer than the running deadline."""
+
+    def __init__(self, sim: "Simulator", instances: List[int], age_s: float, limit_s: float) -> None:
+        gids = [sim.tracks[i].gid for i in instances]
+        super().__init__(f"simulator[{sim.ctx.rank}]: environment(s) {gids} (local {instances}) have been in "
+                         f"env.step for {age_s:.0f} s (runtime.timeout_s={limit_s:g}): the simulator hangs there")
+        self.instances = instances
+
+
 class Stepper:
     """Executes action chunks off the main thread, so that the main loop keeps sending requests and taking
     replies while instances step: a sub-group steps while the generator serves another (pipelined), and
@@ -339,7 +352,8 @@ class Stepper:
 
     With `workers` > 0 (the env is `thread_safe`: disjoint sets may step at once, and reset while others
     step) that many threads step chunks side by side; with 0 a chunk runs on the caller's thread. At the
-    end, chunks under way stop after their current step: a stop need not wait for a whole chunk of slow steps."""
+    end, chunks under way stop after their current step: a stop need not wait for a whole chunk of slow steps,
+    and waits at most the running deadline for a step that never returns (`stuck`)."""
 
     def __init__(self, sim: "Simulator", io: SimulatorIO, workers: int) -> None:
         self.sim, self.io = sim, io
@@ -347,6 +361,8 @@ class Stepper:
         self.wake = _Waker()
         io.poller.register(self.wake.pull)
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env") if workers else None
+        self.running: Dict[Future, Tuple[List[int], float]] = {}  # chunks in the pool -> (instances, submitted)
+        self.stuck: List[int] = []  # instances whose step outlasted the stop's deadline
         self.cancel = threading.Event()
         self.open = True
 
@@ -355,7 +371,18 @@ class Stepper:
         if self.pool is None:
             self._step(g, locals_, reply)
         else:
-            self.pool.submit(self._step, g, locals_, reply)
+            self.running = {f: job for f, job in self.running.items() if not f.done()}
+            self.running[self.pool.submit(self._step, g, locals_, reply)] = (locals_, time.monotonic())
+
+    def check(self) -> None:
+        """Raise StuckStep if a chunk has been stepping for longer than the running deadline: a simulator
+        that hangs in env.step would otherwise hold its rank, and every phase, without a word."""
+        limit = self.sim.ctx.deadlines.running_s
+        now = time.monotonic()
+        late = [(ids, now - t) for f, (ids, t) in self.running.items() if not f.done() and now - t > limit]
+        if late:
+            self.stuck = sorted(i for ids, _ in late for i in ids)
+            raise StuckStep(self.sim, self.stuck, max(age for _, age in late), limit)
 
     def _step(self, g: int, locals_: List[int], reply: msgs.ActReply) -> None:
         t0 = self.sim.ctx.now()
@@ -385,19 +412,27 @@ class Stepper:
 
     def close(self) -> None:
         """End the chunks under way after their current step (what they did stays for `finished`); drop
-        those not started."""
+        those not started. A step still running after the running deadline is left behind (`stuck`)."""
         self.sim.events.add("stop", t=self.sim.ctx.now())
         self.cancel.set()
         if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            deadline_s = 0.0 if self.stuck else self.sim.ctx.deadlines.running_s  # known stuck: said already
+            _, late = wait(list(self.running), timeout=deadline_s)
+            stuck = sorted(i for f in late for i in self.running[f][0])
+            if stuck and not self.stuck:
+                log.error("%d instance(s) (local %s) still in env.step %.0f s after the stop (runtime.timeout_s): "
+                          "the simulator hangs there; this rank ends without them", len(stuck), stuck, deadline_s)
+            self.stuck = self.stuck or stuck
         self.io.poller.unregister(self.wake.pull)
         self.wake.close()
         self.open = False
 
 
-def lockstep_loop(sim: Simulator, io: SimulatorIO, depth: int, cfg: SimulatorConfig) -> None:
+def lockstep_loop(sim: Simulator, io: SimulatorIO, depth: int, cfg: SimulatorConfig) -> List[int]:
     """Sync (depth 1) and pipelined (depth k): phases of one version; each sub-group asks for its next
-    actions as soon as its chunk ends, and steps as soon as they arrive, while the others are served or step."""
+    actions as soon as its chunk ends, and steps as soon as they arrive, while the others are served or step.
+    Returns the instances left stuck in a step at the end (`Stepper.close`)."""
     groups = [list(map(int, g)) for g in np.array_split(np.arange(sim.env.num_envs), depth) if len(g)]
     per_phase = math.ceil(cfg.steps_per_update / (cfg.env.num_envs * cfg.action_chunk))
     if depth == 1:
@@ -424,6 +459,7 @@ def lockstep_loop(sim: Simulator, io: SimulatorIO, depth: int, cfg: SimulatorCon
         stepper.close()
     for g, reply, result in stepper.finished():  # chunks that ended after the stop still count
         io.ship(sim.apply(groups[g], reply, result))
+    return stepper.stuck
 
 
 def run_phase(sim: Simulator, io: SimulatorIO, stepper: Stepper, groups: List[List[int]], version: int,
@@ -444,12 +480,14 @@ def run_phase(sim: Simulator, io: SimulatorIO, stepper: Stepper, groups: List[Li
         if io.stop:
             return False
         io.check_deadlines()
+        stepper.check()
         sim.tick(version)
     return True
 
 
-def async_loop(sim: Simulator, io: SimulatorIO) -> None:
-    """Every environment on its own: request when ready, step when its actions arrive."""
+def async_loop(sim: Simulator, io: SimulatorIO) -> List[int]:
+    """Every environment on its own: request when ready, step when its actions arrive. Returns the
+    instances left stuck in a step at the end (`Stepper.close`)."""
     stepper = Stepper(sim, io, sim.env.num_envs if sim.env.thread_safe else 0)
     for i in range(sim.env.num_envs):
         io.send(sim.request([i], i, 0))
@@ -467,11 +505,13 @@ def async_loop(sim: Simulator, io: SimulatorIO) -> None:
             io.ship(sim.cut_held(io.held))
             io.held.clear()
             io.check_deadlines()
+            stepper.check()
             sim.tick(io.version)
     finally:
         stepper.close()
     for local, reply, result in stepper.finished():  # chunks that ended after the stop still count
         io.ship(sim.apply([local], reply, result))
+    return stepper.stuck
 
 
 class _Waker:
@@ -547,17 +587,35 @@ def run(ctx: RankContext, cfg: Optional[SimulatorConfig] = None) -> int:
     if cfg.rollout.mode != "sync":  # sync resets at the start of every phase
         sim.reset(list(range(local_count)))
     log.info("%d environments of %s, mode %s", local_count, cfg.env.type, cfg.rollout.mode)
+    stuck: List[int] = []
     try:
         if cfg.rollout.mode == "async":
-            async_loop(sim, io)
+            stuck = async_loop(sim, io)
         else:
             depth = cfg.rollout.pipeline_depth if cfg.rollout.mode == "pipelined" else 1
-            lockstep_loop(sim, io, depth, cfg)
+            stuck = lockstep_loop(sim, io, depth, cfg)
         io.finish(sim.cut_all())
+    except StuckStep as exc:  # mid-run: this rank fails (and is restarted if resources.simulator.max_restarts)
+        log.error("%s", exc)
+        stuck = exc.instances
     finally:
-        sim.close(io)
+        sim.close(io, close_env=not stuck)  # closing an env that a thread is stuck in can hang as well
         io.close()
+    if stuck and not io.stop:
+        exit_leaving_threads(1)
     log.info("finished after %d env steps", sim.env_steps)
     if ctx.world is not None:
         ctx.world.close()
+    if stuck:
+        exit_leaving_threads(0)  # the run ended; only the stuck steps' threads are left
     return 0
+
+
+def exit_leaving_threads(code: int) -> None:
+    """End this process now: Python's own exit would wait for the env threads stuck in a step, forever.
+    What the rank wrote is on disk already (ledger rows travel to the trainer; events and counters were
+    flushed by `Simulator.close`); only the log handlers need a flush."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
