@@ -28,8 +28,8 @@ from typing import Dict, List
 import yaml
 
 from vlaslurm.placement.commands import costs_for
-from vlaslurm.placement.model import Ranked, apply, choose, rank
-from vlaslurm.placement.simulate import Candidate, Workload, simulate
+from vlaslurm.placement.model import Ranked, apply, choose, predict, rank
+from vlaslurm.placement.simulate import Candidate, Workload
 from vlaslurm.runtime.local import run_local
 from vlaslurm.spec import load_spec
 
@@ -147,7 +147,7 @@ def validate_quickstart(runs_root: Path, steps: int) -> Dict:
     b = spec.rollout.batching
     cand = Candidate(spec.rollout.mode, spec.resources.layout, 1, 1, 1, spec.rollout.pipeline_depth, b.max_batch,
                      b.max_wait_ms)
-    pred = simulate(cand, Workload.from_spec(spec), costs, updates=10)
+    pred = predict(cand, Workload.from_spec(spec), costs, updates=10)
     got = measure(path, [], runs_root, steps, timeout_s=600)
     print(f"[quickstart] {cand.label()} predicted {pred.sps:.1f} measured {got.get('sps', float('nan')):.1f}", flush=True)
     return {"candidate": cand.label(), "source": source, "predicted_sps": pred.sps, "predicted_util": pred.util,

@@ -210,7 +210,7 @@ def predict(cand: Candidate, work: Workload, costs: Costs, updates: int, longest
     pred = simulate(cand, work, costs, updates=updates)
     n = updates
     while pred.spread > TARGET_SPREAD and n < updates * longest:
-        n *= 2
+        n = min(2 * n, updates * longest)
         pred = simulate(cand, work, costs, updates=n)
     return pred
 

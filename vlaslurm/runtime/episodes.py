@@ -50,10 +50,11 @@ class ChunkResult:
     last_obs: List[EnvObs]  # after the chunk (the final observation where the episode ended)
 
 
-def run_chunk(env: VecEnv, ids: np.ndarray, actions: np.ndarray,
-              cancel: Optional[threading.Event] = None) -> ChunkResult:
+def run_chunk(env: VecEnv, ids: np.ndarray, actions: np.ndarray, cancel: Optional[threading.Event] = None,
+              on_step: Optional[Callable[[], None]] = None) -> ChunkResult:
     """Execute `actions` [n, C, A] open-loop; an instance stops at the end of its episode. Once `cancel` is
-    set the chunk ends after the step under way (the mask says which steps ran; at least one always does)."""
+    set the chunk ends after the step under way (the mask says which steps ran; at least one always does).
+    `on_step` is called as each step starts (the simulator times its steps from it)."""
     n, chunk = actions.shape[:2]
     rewards = np.zeros((n, chunk), np.float32)
     mask = np.zeros((n, chunk), bool)
@@ -62,6 +63,8 @@ def run_chunk(env: VecEnv, ids: np.ndarray, actions: np.ndarray,
     active = np.ones(n, bool)
     for k in range(chunk):
         rows = np.flatnonzero(active)
+        if on_step is not None:
+            on_step()
         res = env.step(ids[rows], np.ascontiguousarray(actions[rows, k, : env.action_dim], dtype=np.float32))
         rewards[rows, k] = res.reward
         mask[rows, k] = True

@@ -106,8 +106,8 @@ class Outcomes:
 
 
 def check_every_task_played(spec, episodes: int) -> None:
-    """Episode e plays task e % len(env.tasks) (instances take the tasks in turn): with fewer episodes than
-    tasks some would not be played at all, and eval.json would say nothing of them."""
+    """Instances take the tasks in turn and episodes the instances: with fewer episodes than tasks some tasks
+    would not be played at all, and eval.json would say nothing of them."""
     tasks = list(getattr(spec.env, "tasks", None) or [])
     if episodes < len(tasks):
         raise ValueError(f"--episodes {episodes} is fewer than the spec's {len(tasks)} tasks (env.tasks): some "

@@ -90,8 +90,9 @@ def eval_lines(run_dir: Path) -> List[str]:
     outcomes = [ok for eps in summary["outcomes"].values() for ok in eps.values()]
     overall = sum(outcomes) / max(1, len(outcomes))
     tasks = ", ".join(f"{task} {rate:.2f}" for task, rate in summary["success"].items())
-    return [f"eval     success {overall:.2f} over {len(outcomes)} episodes ({tasks}); failed trajectories in "
-            f"{Path(run_dir) / 'failed'}"]
+    failed = Path(run_dir) / "failed"
+    kept = f"; failed trajectories in {failed}" if failed.is_dir() else ""
+    return [f"eval     success {overall:.2f} over {len(outcomes)} episodes ({tasks}){kept}"]
 
 
 def heartbeats(run_dir: Path) -> Dict[str, dict]:

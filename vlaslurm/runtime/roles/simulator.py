@@ -26,6 +26,7 @@ import os
 import queue
 import sys
 import threading
+import traceback
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -219,6 +220,7 @@ class Simulator:
         self.cfg, self.ctx, self.env = cfg, ctx, env
         self.seed = cfg.rollout.seed
         self.incarnation = incarnation
+        self.stuck: List[int] = []  # instances left in a step that never returned (`Stepper`)
         self.tracks = [EnvTrack(first_gid + i, i, env.tasks[i], MAX_SEGMENT_STEPS, ctx.now, ctx.rank, incarnation)
                        for i in range(env.num_envs)]
         for track in self.tracks:
@@ -361,8 +363,7 @@ class Stepper:
         self.wake = _Waker()
         io.poller.register(self.wake.pull)
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env") if workers else None
-        self.running: Dict[Future, Tuple[List[int], float]] = {}  # chunks in the pool -> (instances, submitted)
-        self.stuck: List[int] = []  # instances whose step outlasted the stop's deadline
+        self.running: Dict[Future, Tuple[List[int], List[float]]] = {}  # chunk -> (instances, [its step start])
         self.cancel = threading.Event()
         self.open = True
 
@@ -372,22 +373,24 @@ class Stepper:
             self._step(g, locals_, reply)
         else:
             self.running = {f: job for f, job in self.running.items() if not f.done()}
-            self.running[self.pool.submit(self._step, g, locals_, reply)] = (locals_, time.monotonic())
+            started = [time.monotonic()]  # when the chunk's current step started, kept by its thread
+            self.running[self.pool.submit(self._step, g, locals_, reply, started)] = (locals_, started)
 
     def check(self) -> None:
-        """Raise StuckStep if a chunk has been stepping for longer than the running deadline: a simulator
-        that hangs in env.step would otherwise hold its rank, and every phase, without a word."""
+        """Raise StuckStep if a step has lasted longer than the running deadline: a simulator that hangs in
+        env.step would otherwise hold its rank, and every phase, without a word (its main loop still beats)."""
         limit = self.sim.ctx.deadlines.running_s
         now = time.monotonic()
-        late = [(ids, now - t) for f, (ids, t) in self.running.items() if not f.done() and now - t > limit]
+        late = [(ids, now - t[0]) for f, (ids, t) in self.running.items() if not f.done() and now - t[0] > limit]
         if late:
-            self.stuck = sorted(i for ids, _ in late for i in ids)
-            raise StuckStep(self.sim, self.stuck, max(age for _, age in late), limit)
+            self.sim.stuck = sorted(i for ids, _ in late for i in ids)
+            raise StuckStep(self.sim, self.sim.stuck, max(age for _, age in late), limit)
 
-    def _step(self, g: int, locals_: List[int], reply: msgs.ActReply) -> None:
+    def _step(self, g: int, locals_: List[int], reply: msgs.ActReply, started: Optional[List[float]] = None) -> None:
         t0 = self.sim.ctx.now()
+        mark = (lambda: started.__setitem__(0, time.monotonic())) if started is not None else None
         try:
-            result = run_chunk(self.sim.env, np.asarray(locals_), reply.actions, self.cancel)
+            result = run_chunk(self.sim.env, np.asarray(locals_), reply.actions, self.cancel, mark)
         except BaseException as exc:  # noqa: BLE001 - raised in the main loop by `finished`
             result = exc
         self.done.put((g, locals_, reply, result, t0, self.sim.ctx.now()))
@@ -412,27 +415,29 @@ class Stepper:
 
     def close(self) -> None:
         """End the chunks under way after their current step (what they did stays for `finished`); drop
-        those not started. A step still running after the running deadline is left behind (`stuck`)."""
+        those not started. A step still running after half the running deadline is left behind (`sim.stuck`):
+        the trainer's drain waits the whole deadline from its stop for this rank's last segments."""
         self.sim.events.add("stop", t=self.sim.ctx.now())
         self.cancel.set()
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
-            deadline_s = 0.0 if self.stuck else self.sim.ctx.deadlines.running_s  # known stuck: said already
-            _, late = wait(list(self.running), timeout=deadline_s)
+            wait_s = 0.0 if self.sim.stuck else self.sim.ctx.deadlines.running_s / 2  # known stuck: said already
+            # Chunks the shutdown cancelled before they started are over, though `wait` does not count them done.
+            _, late = wait([f for f in self.running if not f.cancelled()], timeout=wait_s)
             stuck = sorted(i for f in late for i in self.running[f][0])
-            if stuck and not self.stuck:
-                log.error("%d instance(s) (local %s) still in env.step %.0f s after the stop (runtime.timeout_s): "
-                          "the simulator hangs there; this rank ends without them", len(stuck), stuck, deadline_s)
-            self.stuck = self.stuck or stuck
+            if stuck and not self.sim.stuck:
+                log.error("%d instance(s) (local %s) still in env.step %.0f s after the stop (half of "
+                          "runtime.timeout_s): the simulator hangs there; this rank ends without them", len(stuck),
+                          stuck, wait_s)
+            self.sim.stuck = self.sim.stuck or stuck
         self.io.poller.unregister(self.wake.pull)
         self.wake.close()
         self.open = False
 
 
-def lockstep_loop(sim: Simulator, io: SimulatorIO, depth: int, cfg: SimulatorConfig) -> List[int]:
+def lockstep_loop(sim: Simulator, io: SimulatorIO, depth: int, cfg: SimulatorConfig) -> None:
     """Sync (depth 1) and pipelined (depth k): phases of one version; each sub-group asks for its next
-    actions as soon as its chunk ends, and steps as soon as they arrive, while the others are served or step.
-    Returns the instances left stuck in a step at the end (`Stepper.close`)."""
+    actions as soon as its chunk ends, and steps as soon as they arrive, while the others are served or step."""
     groups = [list(map(int, g)) for g in np.array_split(np.arange(sim.env.num_envs), depth) if len(g)]
     per_phase = math.ceil(cfg.steps_per_update / (cfg.env.num_envs * cfg.action_chunk))
     if depth == 1:
@@ -459,7 +464,6 @@ def lockstep_loop(sim: Simulator, io: SimulatorIO, depth: int, cfg: SimulatorCon
         stepper.close()
     for g, reply, result in stepper.finished():  # chunks that ended after the stop still count
         io.ship(sim.apply(groups[g], reply, result))
-    return stepper.stuck
 
 
 def run_phase(sim: Simulator, io: SimulatorIO, stepper: Stepper, groups: List[List[int]], version: int,
@@ -485,9 +489,8 @@ def run_phase(sim: Simulator, io: SimulatorIO, stepper: Stepper, groups: List[Li
     return True
 
 
-def async_loop(sim: Simulator, io: SimulatorIO) -> List[int]:
-    """Every environment on its own: request when ready, step when its actions arrive. Returns the
-    instances left stuck in a step at the end (`Stepper.close`)."""
+def async_loop(sim: Simulator, io: SimulatorIO) -> None:
+    """Every environment on its own: request when ready, step when its actions arrive."""
     stepper = Stepper(sim, io, sim.env.num_envs if sim.env.thread_safe else 0)
     for i in range(sim.env.num_envs):
         io.send(sim.request([i], i, 0))
@@ -511,7 +514,6 @@ def async_loop(sim: Simulator, io: SimulatorIO) -> List[int]:
         stepper.close()
     for local, reply, result in stepper.finished():  # chunks that ended after the stop still count
         io.ship(sim.apply([local], reply, result))
-    return stepper.stuck
 
 
 class _Waker:
@@ -587,34 +589,36 @@ def run(ctx: RankContext, cfg: Optional[SimulatorConfig] = None) -> int:
     if cfg.rollout.mode != "sync":  # sync resets at the start of every phase
         sim.reset(list(range(local_count)))
     log.info("%d environments of %s, mode %s", local_count, cfg.env.type, cfg.rollout.mode)
-    stuck: List[int] = []
+    code = 0
     try:
         if cfg.rollout.mode == "async":
-            stuck = async_loop(sim, io)
+            async_loop(sim, io)
         else:
             depth = cfg.rollout.pipeline_depth if cfg.rollout.mode == "pipelined" else 1
-            stuck = lockstep_loop(sim, io, depth, cfg)
+            lockstep_loop(sim, io, depth, cfg)
         io.finish(sim.cut_all())
-    except StuckStep as exc:  # mid-run: this rank fails (and is restarted if resources.simulator.max_restarts)
-        log.error("%s", exc)
-        stuck = exc.instances
+    except Exception as exc:  # noqa: BLE001 - with a thread stuck in a step, the usual way out would hang
+        if not sim.stuck:
+            raise
+        code = 1  # restarted under resources.simulator.max_restarts
+        log.error("%s", exc if isinstance(exc, StuckStep) else traceback.format_exc())
     finally:
-        sim.close(io, close_env=not stuck)  # closing an env that a thread is stuck in can hang as well
+        sim.close(io, close_env=not sim.stuck)  # closing an env that a thread is stuck in can hang as well
         io.close()
-    if stuck and not io.stop:
-        exit_leaving_threads(1)
-    log.info("finished after %d env steps", sim.env_steps)
+    if code == 0:
+        log.info("finished after %d env steps", sim.env_steps)
+    if sim.stuck:
+        exit_leaving_threads(code)
     if ctx.world is not None:
         ctx.world.close()
-    if stuck:
-        exit_leaving_threads(0)  # the run ended; only the stuck steps' threads are left
     return 0
 
 
 def exit_leaving_threads(code: int) -> None:
     """End this process now: Python's own exit would wait for the env threads stuck in a step, forever.
-    What the rank wrote is on disk already (ledger rows travel to the trainer; events and counters were
-    flushed by `Simulator.close`); only the log handlers need a flush."""
+    Events and counters were flushed by `Simulator.close`; what the sockets still hold (the last segments,
+    `done`) gets their linger to leave, and the log handlers a flush."""
+    zmq.Context.instance().destroy(linger=200)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
