@@ -361,20 +361,16 @@ def serve(ctx: RankContext, cfg: EvalConfig) -> int:
 
 def _serve_batch(ctx: RankContext, policy, batch: list, router: Router, cfg: EvalConfig) -> int:
     """One forward for every request of `batch`; each simulator gets its rows back."""
-    from vlaslurm.runtime.roles.generator import to_policy_input
+    from vlaslurm.runtime.roles.generator import replies, to_policy_input
 
     requests = [p.request for p in batch]
     with torch.no_grad():
         out = policy.act(to_policy_input(requests, ctx.device), deterministic=cfg.deterministic)
     actions = out.actions.float().cpu().numpy()
-    start = 0
-    for p in batch:
-        n = len(p.request)
-        unused = np.zeros(n, np.float32)  # log-probs and values matter to a trainer only
-        router.send(p.peer, msgs.encode_act(msgs.ActReply(p.request.env_ids, 0, 0, actions[start:start + n], unused,
-                                                          unused, ctx.rank)))
-        start += n
-    return start
+    unused = np.zeros(len(actions), np.float32)  # log-probs and values matter to a trainer only
+    for p, reply in replies(batch, 0, ctx.rank, actions, unused, unused):
+        router.send(p.peer, msgs.encode_act(reply))
+    return len(actions)
 
 
 EVAL_ROLES: Dict[str, Callable[[RankContext, EvalConfig], int]] = {"simulator": simulate, "generator": serve}

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -113,6 +113,18 @@ def to_policy_input(requests: List[msgs.ObsRequest], device: torch.device) -> Po
 
     seeds = torch.tensor([s for r in requests for s in r.seeds], dtype=torch.int64)
     return PolicyInput(cat("images"), cat("state"), [i for r in requests for i in r.obs.instructions], seeds)
+
+
+def replies(batch: List[Pending], version: int, rank: int, actions: np.ndarray, logprob: np.ndarray,
+            value: np.ndarray) -> Iterator[Tuple[Pending, msgs.ActReply]]:
+    """Each request of `batch` with its reply: its rows of one forward's outputs, in the batch's order."""
+    start = 0
+    for p in batch:
+        n = len(p.request)
+        rows = slice(start, start + n)
+        yield p, msgs.ActReply(p.request.env_ids, p.request.sub_group, version, actions[rows], logprob[rows],
+                               value[rows], rank)
+        start += n
 
 
 def lockstep_clients(mode: str, rank: int, ranks) -> int:
@@ -222,18 +234,13 @@ class Generator:
         items = [[e, ep, st] for r in requests for e, ep, st in zip(r.env_ids, r.episodes, r.steps)]
         self.events.add("batch", t0=t0, t1=t1, v=self.version, n=len(items),
                         g=sorted({r.sub_group for r in requests}), items=items)
-        start = 0
-        for p in batch:
-            n = len(p.request)
-            reply = msgs.ActReply(p.request.env_ids, p.request.sub_group, self.version, actions[start:start + n],
-                                  logprob[start:start + n], value[start:start + n], self.ctx.rank)
+        for p, reply in replies(batch, self.version, self.ctx.rank, actions, logprob, value):
             self.reply(p.peer, msgs.encode_act(reply))
-            start += n
             self.counters.sample("request_latency_s", time.monotonic() - p.arrived)
-        self.served_steps += start * self.cfg.model.action_chunk
+        self.served_steps += len(items) * self.cfg.model.action_chunk
         self.counters.busy(t1 - t0)
-        self.counters.sample("batch_size", start)
-        self.counters.add("requests", start)
+        self.counters.sample("batch_size", len(items))
+        self.counters.add("requests", len(items))
 
     def step(self) -> None:
         """One turn of the loop: take messages, install weights, maybe serve a batch."""
