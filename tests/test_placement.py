@@ -40,6 +40,17 @@ def test_sync_matches_closed_form(chunk: int) -> None:
     assert pred.lag["max"] == 0
 
 
+def test_a_sync_phase_lasts_an_episode_when_the_update_needs_fewer_steps() -> None:
+    # 256 env steps an update from 16 instances is 16 decisions, but sync phases start from reset, so the
+    # simulator role runs 40 (the episode limit); a pipelined phase keeps its 16 per sub-group.
+    work = Workload(16, 1, 256, episode_limit=40)
+    assert (work.chunks_per_phase(1), work.chunks_per_phase(2)) == (40, 16)
+    step, fwd, update = 0.010, 0.002, 0.020
+    pred = simulate(Candidate("sync", "disaggregated", 1, 1, 1, 1, 16, 0), work,
+                    constant_costs(step, Curve.constant(fwd), update))
+    assert pred.sps == pytest.approx(16 * 40 / (40 * (step + fwd) + update), rel=1e-6)
+
+
 def test_sync_waits_for_a_batch_that_never_fills() -> None:
     # max_batch above the request size: every decision step also waits max_wait_ms.
     costs = constant_costs(0.010, Curve.constant(0.002), 0.0)

@@ -18,7 +18,6 @@ throughput: among them the most robust comes first (`most_robust`).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -158,9 +157,9 @@ def _pipeline_estimate(cand: Candidate, work: Workload, costs: Costs) -> float:
     items = per * max(1, cand.sim // cand.gen) / k
     fwd = k * costs.forward_s(items)
     cycle = max(step, fwd) + (0 if k > 1 else fwd) + 2 * costs.hop_s
-    phases = math.ceil(work.steps_per_update / (work.num_envs * C))
+    decisions = work.chunks_per_phase(k)
     swap = costs.swap_s if cand.layout == "collocated" else 0.0
-    return work.num_envs * C * phases / (phases * cycle + train + swap)
+    return work.num_envs * C * decisions / (decisions * cycle + train + swap)
 
 
 def batching_options(cand: Candidate, work: Workload) -> List[Tuple[int, float]]:

@@ -31,6 +31,7 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple
 import numpy as np
 
 from vlaslurm.placement.costs import Costs
+from vlaslurm.runtime.episodes import chunks_per_phase
 
 MAX_SEGMENT_STEPS = 64  # the simulator's segment length cap (runtime/roles/simulator.py)
 ROLES = ("simulator", "generator", "trainer")
@@ -74,13 +75,18 @@ class Workload:
     max_staleness: int = 0
     stale_policy: str = "drop"
     cpus: Tuple[float, float, float] = (1.0, 1.0, 1.0)  # cpus_per_task of a simulator, generator, trainer rank
+    episode_limit: int = 0  # the most env steps an episode lasts (sync phases run at least that long)
 
     @classmethod
     def from_spec(cls, spec) -> "Workload":
         r = spec.rollout
         cpus = tuple(float(spec.role_resources(role).cpus_per_task) for role in ROLES)
         return cls(spec.env.num_envs, spec.model.action_chunk, spec.algo.steps_per_update, r.max_staleness,
-                   r.stale_policy, cpus)
+                   r.stale_policy, cpus, spec.env.episode_limit())
+
+    def chunks_per_phase(self, depth: int) -> int:
+        """The decisions of one lock-step phase, as the simulator role counts them."""
+        return chunks_per_phase(self.steps_per_update, self.num_envs, self.chunk, depth, self.episode_limit)
 
 
 @dataclass
@@ -177,14 +183,14 @@ class Pipeline:
         self._heap: list = []
         self._seq = 0
         self.lockstep = cand.mode != "async"
-        self.per_phase = math.ceil(work.steps_per_update / (work.num_envs * work.chunk))
+        self.depth = cand.depth if cand.mode == "pipelined" else 1
+        self.per_phase = work.chunks_per_phase(self.depth)
         per = work.num_envs // cand.sim
         prof = costs.instance_map(per)
         self.ranks: List[_Rank] = []
         for r in range(cand.sim):
             envs = [_Env(r * per + j, r, int(prof[j]), self._episode_len()) for j in range(per)]
-            depth = cand.depth if cand.mode == "pipelined" else 1
-            groups = [[envs[i] for i in g] for g in np.array_split(np.arange(per), depth) if len(g)]
+            groups = [[envs[i] for i in g] for g in np.array_split(np.arange(per), self.depth) if len(g)]
             # The simulator steps in worker threads where the env allows it: one per sub-group in lock-step
             # modes (sub-groups side by side), one per instance in async; else inline, one at a time.
             workers = (len(groups) if self.lockstep else per) if costs.thread_safe else 1
@@ -240,18 +246,25 @@ class Pipeline:
         rank = self.ranks[r]
         if self.lockstep:
             rank.remaining = {g: self.per_phase for g in range(len(rank.groups))}
+            after = self.phase_reset(rank) if self.depth == 1 else 0.0
             for g, envs in enumerate(rank.groups):
-                self.request(r, envs, g, rank.phase)
+                self.request(r, envs, g, rank.phase, after)
         else:
             for e in rank.envs:
                 self.request(r, [e], 0, 0)
 
-    def request(self, r: int, envs: List[_Env], group: int, min_version: int) -> None:
+    def phase_reset(self, rank: _Rank) -> float:
+        """A sync phase starts every instance from reset, in one call; returns how long that takes."""
+        for e in rank.envs:
+            e.t, e.ep_len = 0, self._episode_len()
+        return self.k.reset_s * (len(rank.envs) if self.k.step_rule == "sum" else 1)
+
+    def request(self, r: int, envs: List[_Env], group: int, min_version: int, after: float = 0.0) -> None:
         rank = self.ranks[r]
         out = rank.outstanding
         gen = r % len(self.gens) if self.lockstep else min(range(len(out)), key=out.__getitem__)
         rank.outstanding[gen] += 1
-        self.at(self.now + self.k.hop_s, self.arrive, _Req(r, envs, group, min_version, gen=gen))
+        self.at(self.now + after + self.k.hop_s, self.arrive, _Req(r, envs, group, min_version, gen=gen))
 
     def reply(self, req: _Req, version: int) -> None:
         rank = self.ranks[req.rank]

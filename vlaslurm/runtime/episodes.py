@@ -8,6 +8,7 @@ alone, at once.
 """
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -31,6 +32,16 @@ def stack_obs(items: Sequence[EnvObs]) -> Observation:
     images = None if items[0][0] is None else np.stack([it[0] for it in items])
     state = None if items[0][1] is None else np.stack([it[1] for it in items])
     return Observation(images, state, [it[2] for it in items])
+
+
+def chunks_per_phase(steps_per_update: int, num_envs: int, chunk: int, depth: int, episode_limit: int = 0) -> int:
+    """Decisions (action chunks) each sub-group takes in one lock-step phase: enough for the update's env
+    steps; a sync phase (depth 1) starts every instance from reset, so also enough for an episode of
+    `episode_limit` env steps to end. The simulator role runs phases this long; the placement model too."""
+    chunks = math.ceil(steps_per_update / (num_envs * chunk))
+    if depth == 1:
+        chunks = max(chunks, math.ceil(episode_limit / chunk))
+    return chunks
 
 
 def mix_seed(*parts: int) -> int:

@@ -21,7 +21,6 @@ exactly what an uninterrupted run would have.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import queue
 import sys
@@ -42,7 +41,7 @@ from vlaslurm.runtime import checkpoint as ckpt
 from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime import signals
 from vlaslurm.runtime.context import RankContext, meet, world_roles
-from vlaslurm.runtime.episodes import ChunkResult, EnvTrack, mix_seed, run_chunk, split_obs, stack_obs
+from vlaslurm.runtime.episodes import ChunkResult, EnvTrack, chunks_per_phase, mix_seed, run_chunk, split_obs, stack_obs
 from vlaslurm.runtime.records import Counters, EventLog, Heartbeat
 from vlaslurm.runtime.transport import Dealer, Poller, Push, SendTimeout, Sub
 from vlaslurm.spec.env_types import EnvConfig
@@ -439,10 +438,8 @@ def lockstep_loop(sim: Simulator, io: SimulatorIO, depth: int, cfg: SimulatorCon
     """Sync (depth 1) and pipelined (depth k): phases of one version; each sub-group asks for its next
     actions as soon as its chunk ends, and steps as soon as they arrive, while the others are served or step."""
     groups = [list(map(int, g)) for g in np.array_split(np.arange(sim.env.num_envs), depth) if len(g)]
-    per_phase = math.ceil(cfg.steps_per_update / (cfg.env.num_envs * cfg.action_chunk))
-    if depth == 1:
-        # Sync phases start from reset, so a phase must be long enough for an episode to end.
-        per_phase = max(per_phase, math.ceil(cfg.env.episode_limit() / cfg.action_chunk))
+    per_phase = chunks_per_phase(cfg.steps_per_update, cfg.env.num_envs, cfg.action_chunk, depth,
+                                 cfg.env.episode_limit())
     stepper = Stepper(sim, io, len(groups) if sim.env.thread_safe else 0)
     try:
         wait_version(sim, io, 0)
