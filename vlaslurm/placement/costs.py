@@ -219,17 +219,27 @@ def speed_classes(rows: List[np.ndarray], ratio: float = 1.5) -> np.ndarray:
 
     A few samples estimate one instance's mean poorly (a lognormal tail), but its
     median well: instances are sorted by median and split where the median jumps by
-    more than `ratio`; each class shares the mean of all its samples.
+    more than `ratio`. Classes are taken to share one shape, differing by a scale: each
+    class's scale is the geometric mean of its samples (under a long tail a steadier
+    estimate than their mean), and its mean that scale times the mean of the shape
+    pooled over every class's samples.
     """
     medians = np.asarray([np.median(r) for r in rows])
     order = np.argsort(medians)
-    out = np.empty(len(rows))
-    start = 0
+    classes, start = [], 0
     for j in range(1, len(order) + 1):
         if j == len(order) or medians[order[j]] > ratio * medians[order[j - 1]]:
-            members = order[start:j]
-            out[members] = np.concatenate([rows[i] for i in members]).mean()
+            classes.append(order[start:j])
             start = j
+    scales, shape = [], []
+    for members in classes:
+        samples = np.maximum(np.concatenate([rows[i] for i in members]), 1e-12)
+        scales.append(float(np.exp(np.log(samples).mean())))
+        shape.append(samples / scales[-1])
+    shape_mean = float(np.concatenate(shape).mean())
+    out = np.empty(len(rows))
+    for members, scale in zip(classes, scales):
+        out[members] = scale * shape_mean
     return out
 
 
