@@ -51,6 +51,33 @@ def test_a_sync_phase_lasts_an_episode_when_the_update_needs_fewer_steps() -> No
     assert pred.sps == pytest.approx(16 * 40 / (40 * (step + fwd) + update), rel=1e-6)
 
 
+def test_a_thread_woken_from_a_sleep_adds_its_wake_up_to_the_round() -> None:
+    # Sync, constant 10 ms steps and 2 ms forwards; waking anything that slept over 1 ms costs 0.5 ms. Each
+    # decision the generator wakes after sleeping through the step, the stepping thread after the forward:
+    # P x (step + fwd + 2 wake) a phase, less one wake: the phase's first request finds the generator awake,
+    # installing the new weights.
+    wake = Curve([0.0, 0.001], [0.0, 0.0005], flat=True)
+    assert (wake(0.0005), wake(0.004), wake(60.0)) == pytest.approx((0.00025, 0.0005, 0.0005))
+    costs = constant_costs(0.010, Curve.constant(0.002), 0.020, wake_s=wake)
+    pred = simulate(Candidate("sync", "disaggregated", 1, 1, 1, 1, 16, 0), Workload(16, 1, 256), costs)
+    phase = 16 * (0.010 + 0.002 + 2 * 0.0005) - 0.0005
+    assert pred.sps == pytest.approx(256 / (phase + 0.020), rel=1e-6)
+
+
+def test_each_reply_is_received_by_the_one_main_thread_before_its_step() -> None:
+    # Async, 8 instances answered in one batch (max_wait long enough to fill it). The main thread receives the
+    # replies one after another (r each), so the steps start r apart; each result's bookkeeping (m - r) fits
+    # in the gap, and the last request leaves (n - 1) r + step + m after the forward.
+    n, step, fwd, m, r = 8, 0.010, 0.002, 0.0003, 0.0002
+    work = Workload(n, 1, 256, max_staleness=100)
+    cand = Candidate("async", "disaggregated", 1, 1, 1, 1, n, 1000.0)
+    split = simulate(cand, work, constant_costs(step, Curve.constant(fwd), 1e-4, message_s=m, reply_s=r), updates=20)
+    assert split.sps == pytest.approx(n / (fwd + (n - 1) * r + step + m), rel=1e-6)
+    # All of it after the step instead: the n results queue for the main thread.
+    after = simulate(cand, work, constant_costs(step, Curve.constant(fwd), 1e-4, message_s=m), updates=20)
+    assert after.sps == pytest.approx(n / (fwd + step + n * m), rel=1e-6)
+
+
 def test_sync_waits_for_a_batch_that_never_fills() -> None:
     # max_batch above the request size: every decision step also waits max_wait_ms.
     costs = constant_costs(0.010, Curve.constant(0.002), 0.0)
@@ -314,7 +341,7 @@ def test_noisy_predictions_are_simulated_longer_and_steady_ones_are_not() -> Non
     tail.step_samples = rows
     noisy = pm.predict(SYNC8, work, tail, updates=12)
     assert noisy.updates > 12
-    assert noisy.spread <= pm.TARGET_SPREAD or noisy.updates == 48
+    assert noisy.spread <= pm.TARGET_SPREAD or noisy.updates == 12 * 8
 
 
 def cpu_costs(host_cores, step_cpu: float = 0.001) -> Costs:
@@ -415,6 +442,12 @@ def test_profile_measures_cpu_seconds_and_the_runtime_overhead(measured) -> None
     pred = simulate(Candidate("async", "disaggregated", 1, 1, 1, 1, 8, 0), Workload.from_spec(loaded.spec), costs,
                     updates=6)
     assert pred.cpu_bound < math.inf and set(pred.cpu) == {"simulator", "generator", "trainer"}
+    # Round trips after idle gaps give the wake-up curve; the client's CPU splits into sending and receiving,
+    # and the receiving share is what each reply costs the simulator before its step.
+    assert transport["idle_s"][0] == 0.0 and len(transport["idle_round_trip_s"]) == len(transport["idle_s"]) > 3
+    assert transport["client_cpu_s"] == pytest.approx(transport["client_send_cpu_s"] + transport["client_recv_cpu_s"])
+    assert 0 < costs.reply_s < costs.message_s
+    assert costs.wake_s(0.0) == 0.0 and costs.wake_s(10.0) == costs.wake_s(transport["idle_s"][-1]) >= 0.0
 
 
 def test_an_old_profile_is_not_reused_and_still_loads_without_a_cpu_bound(measured, monkeypatch) -> None:
@@ -439,6 +472,11 @@ def test_an_old_profile_is_not_reused_and_still_loads_without_a_cpu_bound(measur
     costs = from_profile(old, loaded.spec)
     assert costs.cpu is None and (costs.message_s, costs.record_s, costs.request_s) == (1e-4, 2e-5, 3e-4)
     assert costs.hop_s == profile["transport"]["hop_s"]
+    # A profile from before version 6 has no idle series: no wake-ups, no reply share.
+    for key in ("idle_s", "idle_round_trip_s", "client_send_cpu_s", "client_recv_cpu_s"):
+        del old["transport"][key]
+    costs = from_profile(old, loaded.spec)
+    assert costs.wake_s(1.0) == 0.0 and costs.reply_s == 0.0
     pred = simulate(Candidate("async", "disaggregated", 1, 1, 1, 1, 8, 0), Workload.from_spec(loaded.spec), costs,
                     updates=6)
     assert pred.cpu_bound == math.inf and pred.cpu == {}

@@ -23,11 +23,14 @@ class Curve:
 
     sizes: List[float]
     values: List[float]
+    flat: bool = False  # past the measured sizes, the nearest measured value instead of the trend
 
     def __call__(self, size: float) -> float:
         xs, ys = self.sizes, self.values
         if len(xs) == 1:
             return ys[0]
+        if self.flat:
+            return float(np.interp(size, xs, ys))
         if size <= xs[0]:
             i = 0
         elif size >= xs[-1]:
@@ -122,6 +125,10 @@ class Costs:
     reset_s: float = 0.0
     dispatch_s: float = 0.0  # async: handing a step to a thread and its result back to the rank's main loop
     message_s: float = 0.0  # simulator main thread, per request: observation out, actions in
+    reply_s: float = 0.0  # of message_s, the part each reply costs before its step can start (receive, decode)
+    # Waking a thread that has slept for t seconds (the function's argument) costs this much latency on top
+    # of a hop: a request wakes its generator, a reply the simulator thread that steps its instances.
+    wake_s: Curve = field(default_factory=lambda: Curve.constant(0.0))
     record_s: float = 0.0  # simulator main thread, per instance and decision: segment bookkeeping
     request_s: float = 0.0  # generator, per request: decode it, encode the reply
     # generator, per batch: its loop's fixed work, waking for the batch's requests (weights are looked for
@@ -270,6 +277,8 @@ def from_profile(prof: Dict, spec) -> Costs:
     # The runtime's per-decision work: a version 4 profile measures it through real sockets, as CPU
     # seconds on the target node; older ones timed the encoding alone.
     message = cpu.request_s if cpu else float(sim.get("message_s", 0.0))
+    transport = prof["transport"]
+    sent, got = transport.get("client_send_cpu_s", 0.0), transport.get("client_recv_cpu_s", 0.0)
     record = cpu.record_s if cpu else float(sim.get("record_s", 0.0))
     request = cpu.serve_s if cpu else float(gen.get("request_s", 0.0))
     return Costs(
@@ -277,7 +286,8 @@ def from_profile(prof: Dict, spec) -> Costs:
         forward_s=Curve(list(map(float, fwd["sizes"])), isotonic(fwd["seconds"])),
         update_s=Curve(list(map(float, upd["sizes"])), isotonic(upd["seconds"])),
         publish_s=float(publish), install_s=float(install), hop_s=hop_s(prof, cpu),
-        message_s=message, record_s=record, request_s=request,
+        message_s=message, reply_s=message * got / (sent + got) if sent + got > 0 else 0.0,
+        wake_s=wake_curve(transport), record_s=record, request_s=request,
         batch_s=cpu.wake_s if cpu else 0.0,
         memory=Memory(capacity=float(prof["capacity_bytes"]), sim_base=sim["memory"]["base"],
                       sim_per_env=sim["memory"]["per_env"], gen_base=gen["memory"]["base"],
@@ -300,6 +310,16 @@ def hop_s(prof: Dict, cpu: Optional[CpuCosts]) -> float:
         return float(transport["hop_s"])
     rtt = float(transport["round_trip_s"])
     return max(0.0, rtt - transport["client_cpu_s"] - transport["server_cpu_s"]) / 2
+
+
+def wake_curve(transport: Dict) -> Curve:
+    """Extra latency of a message to a process that has slept t seconds: its round trip after a gap of t,
+    less the round trip right after the last one (a profile before version 6: none)."""
+    gaps, rtts = transport.get("idle_s"), transport.get("idle_round_trip_s")
+    if not gaps:
+        return Curve.constant(0.0)
+    base = rtts[0]
+    return Curve([float(g) for g in gaps], isotonic([max(0.0, r - base) for r in rtts]), flat=True)
 
 
 def cpu_costs(prof: Dict) -> Optional[CpuCosts]:

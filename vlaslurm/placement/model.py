@@ -146,17 +146,23 @@ def _pipeline_estimate(cand: Candidate, work: Workload, costs: Costs) -> float:
     ids = costs.instance_map(per)
     train = costs.train_s(work.steps_per_update, cand.train) + costs.publish_s + costs.install_s
     if cand.mode == "async":
-        means = costs.step_samples.mean(axis=1)[ids] * C + costs.dispatch_s
-        sim_cap = cand.sim * (float(np.sum(C / means)) if costs.thread_safe else C * per / float(means.sum()))
         b = max(1, min(cand.max_batch, work.num_envs // cand.gen))
+        # Each step waits at least a forward for its actions, so its thread wakes from a sleep that long.
+        means = costs.step_samples.mean(axis=1)[ids] * C + costs.dispatch_s + costs.wake_s(costs.forward_s(b))
+        sim_cap = cand.sim * (float(np.sum(C / means)) if costs.thread_safe else C * per / float(means.sum()))
         gen_cap = cand.gen * b * C / (costs.forward_s(b) + cand.max_wait_ms / 2000.0)
         return min(sim_cap, gen_cap, work.steps_per_update / train)
     k = cand.depth if cand.mode == "pipelined" else 1
     group = np.array_split(ids, k)
-    step = sum(costs.mean_group_step(g, draws=16) for g in group) * C
+    steps = [costs.mean_group_step(g, draws=16) * C for g in group]
+    step = max(steps) if costs.thread_safe else sum(steps)  # sub-groups side by side, or taking turns
     items = per * max(1, cand.sim // cand.gen) / k
     fwd = k * costs.forward_s(items)
-    cycle = max(step, fwd) + (0 if k > 1 else fwd) + 2 * costs.hop_s
+    # Each round the generator wakes from sleeping through the steps, the stepping thread from the forwards
+    # (pipelined: only through what the other sub-groups' work does not fill).
+    gen_sleep, thread_sleep = (step, fwd) if k == 1 else (max(0.0, step - fwd), max(0.0, fwd - step))
+    cycle = max(step, fwd) + (0 if k > 1 else fwd) + 2 * costs.hop_s + costs.wake_s(gen_sleep) + \
+        costs.wake_s(thread_sleep)
     decisions = work.chunks_per_phase(k)
     swap = costs.swap_s if cand.layout == "collocated" else 0.0
     return work.num_envs * C * decisions / (decisions * cycle + train + swap)
@@ -202,7 +208,7 @@ def rank(spec, costs: Costs, units: Optional[int] = None, work: Optional[Workloa
 TARGET_SPREAD = 0.02  # relative standard error of a prediction worth simulating longer for
 
 
-def predict(cand: Candidate, work: Workload, costs: Costs, updates: int, longest: int = 4) -> Prediction:
+def predict(cand: Candidate, work: Workload, costs: Costs, updates: int, longest: int = 8) -> Prediction:
     """Simulate `updates` updates, and up to `longest` times as many while the throughput's standard error
     stays above TARGET_SPREAD: lock-step phases gated by a long-tailed slowest group vary most from one
     short run to the next, steady async pipelines hardly at all, so only the former pay for the length."""

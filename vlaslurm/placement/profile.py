@@ -39,8 +39,9 @@ from vlaslurm.log import get_logger
 from vlaslurm.placement.costs import summarize
 
 log = get_logger("vlaslurm.placement")
-PROFILE_VERSION = 5  # 4: CPU seconds beside wall times, the runtime's per-decision work over real sockets;
-# 5: the generator's per-request CPU measured in bursts, its wake-up per batch apart
+PROFILE_VERSION = 6  # 4: CPU seconds beside wall times, the runtime's per-decision work over real sockets;
+# 5: the generator's per-request CPU measured in bursts, its wake-up per batch apart; 6: round trips after
+# idle gaps (waking a sleeping process), the client's CPU split into sending and receiving
 ROLES = ("simulator", "generator", "trainer")
 
 
@@ -319,6 +320,9 @@ def _run_chunk_cpu(env, chunk: int, rng, rounds: int = 200) -> float:
     return _cpu_per_call(lambda: run_chunk(replay, np.zeros(1, int), actions), rounds)
 
 
+PER_INSTANCE_MAX = 1000  # samples of one instance: quick ones stop here, slow ones at the deadline
+
+
 def _per_instance(env, n: int, rng, budget_s: float) -> Dict[str, Any]:
     """Each instance stepped alone, so slow instances and the tail show.
 
@@ -350,7 +354,7 @@ def _per_instance(env, n: int, rng, budget_s: float) -> Dict[str, Any]:
     if env.thread_safe and n > 1:
         dispatch = _threaded_steps(env, n, rows, seeds, deadline, cpu)
     else:
-        while len(rows[-1]) < 400 and (len(rows[-1]) < 8 or time.perf_counter() < deadline):
+        while len(rows[-1]) < PER_INSTANCE_MAX and (len(rows[-1]) < 8 or time.perf_counter() < deadline):
             for i in range(n):
                 run(i, 1)
     return {"n": n, "threaded": bool(dispatch), "dispatch_s": float(np.mean(dispatch)) if dispatch else 0.0,
@@ -387,7 +391,7 @@ def _threaded_steps(env, n: int, rows: List[List[float]], seeds, deadline: float
             i, submitted, t0, t1 = done.get()
             latencies.append((t0 - submitted) + (time.perf_counter() - t1))
             rows[i].append(t1 - t0)
-            if len(rows[i]) < 400 and (len(rows[i]) < 8 or time.perf_counter() < deadline):
+            if len(rows[i]) < PER_INSTANCE_MAX and (len(rows[i]) < 8 or time.perf_counter() < deadline):
                 pool.submit(step, i, time.perf_counter())
             else:
                 running -= 1
@@ -628,6 +632,8 @@ def _measure_transport(spec, obs, dims) -> Dict[str, Any]:
     second series sends bursts of `ECHO_BURST` requests, which the echo process
     drains in one wake-up as the generator drains a batch's requests: its CPU per
     request is the per-request share, the rest of a lone request's is the wake-up's.
+    A third series waits `IDLE_GAPS_S` before each request: how much later a process
+    answers after sleeping that long.
     """
     import subprocess
     import sys
@@ -645,12 +651,16 @@ def _measure_transport(spec, obs, dims) -> Dict[str, Any]:
         req = msgs.encode_obs(msgs.ObsRequest([0], [0], [0], [0], _tile_obs(obs, 1), 0, 0))
         with Dealer(key, name="profile") as dealer:
             dealer.connect(endpoint)
-            times, cpu = _echo_rounds(dealer, req, 1, ECHO_WARMUP + 200)
+            times, send_cpu, recv_cpu = _echo_rounds(dealer, req, 1, ECHO_WARMUP + 200, ECHO_WARMUP)
             dealer.send(msgs.ctl(0, 0, False))  # the echo process reports its lone-request CPU, then bursts
             server_cpu = float(echo.stdout.readline())
-            _, burst_cpu = _echo_rounds(dealer, req, ECHO_BURST, ECHO_WARMUP + 60)
-            dealer.send(msgs.ctl(0, 0, True))
+            _, burst_send, burst_recv = _echo_rounds(dealer, req, ECHO_BURST, ECHO_WARMUP + 60, ECHO_WARMUP)
+            dealer.send(msgs.ctl(0, 0, False))
             server_burst_cpu = float(echo.stdout.readline())
+            idle = {gap: float(np.mean(_echo_rounds(dealer, req, 1, IDLE_WARMUP + IDLE_ROUNDS, IDLE_WARMUP, gap)[0]))
+                    for gap in IDLE_GAPS_S}
+            dealer.send(msgs.ctl(0, 0, True))
+            echo.stdout.readline()  # its CPU over the idle series: not used
     finally:
         try:
             echo.wait(10)
@@ -658,30 +668,43 @@ def _measure_transport(spec, obs, dims) -> Dict[str, Any]:
             echo.kill()
     rtt = float(np.mean(times))
     return {"round_trip_s": rtt, "round_trip_p99_s": float(np.quantile(times, 0.99)), "hop_s": rtt / 2,
-            "client_cpu_s": cpu, "server_cpu_s": server_cpu, "client_burst_cpu_s": burst_cpu,
-            "server_burst_cpu_s": server_burst_cpu, "burst": ECHO_BURST, "load_average": os.getloadavg()[0]}
+            "client_cpu_s": send_cpu + recv_cpu, "client_send_cpu_s": send_cpu, "client_recv_cpu_s": recv_cpu,
+            "server_cpu_s": server_cpu, "client_burst_cpu_s": burst_send + burst_recv,
+            "server_burst_cpu_s": server_burst_cpu, "burst": ECHO_BURST,
+            "idle_s": list(idle), "idle_round_trip_s": list(idle.values()), "load_average": os.getloadavg()[0]}
 
 
-def _echo_rounds(dealer, request, burst: int, rounds: int) -> Tuple[List[float], float]:
-    """`rounds` rounds of `burst` requests sent at once and their replies; the round trips' wall times
-    and the client's CPU seconds per request, both after the warm-up rounds."""
-    times, cpu = [], 0.0
+def _echo_rounds(dealer, request, burst: int, rounds: int, warmup: int,
+                 idle_s: float = 0.002) -> Tuple[List[float], float, float]:
+    """`rounds` rounds of `burst` requests sent at once and their replies, each after `idle_s` of quiet;
+    the round trips' wall times and the client's CPU seconds per request sending and receiving, all after
+    the first `warmup` rounds."""
+    times, send_cpu, recv_cpu = [], 0.0, 0.0
     for i in range(rounds):
-        time.sleep(0.002)  # let the echo process fall back into its poll
+        if idle_s:
+            time.sleep(idle_s)  # the echo process falls back into its poll, and sleeps there this long
         start, cpu0 = time.perf_counter(), time.process_time()
         for _ in range(burst):
             dealer.send(request)
+        cpu1 = time.process_time()
         for _ in range(burst):
             if dealer.recv(5000) is None:
                 raise TimeoutError("the transport echo process did not answer within 5 s")
-        if i >= ECHO_WARMUP:
+        if i >= warmup:
             times.append(time.perf_counter() - start)
-            cpu += time.process_time() - cpu0
-    return times, cpu / max(1, len(times) * burst)
+            send_cpu += cpu1 - cpu0
+            recv_cpu += time.process_time() - cpu1
+    n = max(1, len(times) * burst)
+    return times, send_cpu / n, recv_cpu / n
 
 
 ECHO_WARMUP = 30
 ECHO_BURST = 8
+# Round trips after these gaps of quiet: a process woken after a longer sleep answers later (on an idle
+# host the cores drop into deeper sleep states), which a lock-step phase's long env steps pay each decision.
+IDLE_GAPS_S = (0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
+IDLE_WARMUP = 3
+IDLE_ROUNDS = 20
 
 
 def _echo_server() -> None:

@@ -11,6 +11,13 @@ from a `Costs`:
   steps (async), updates, then publishes; Δv = trainer version - segment version;
   past `max_staleness` a segment is dropped, or (`hold`) generators stop serving.
 
+Latency beyond the measured work: a hop per message, and a wake-up (`Costs.wake_s`,
+measured as round trips after idle gaps) wherever a message finds its receiver asleep:
+a request wakes a generator idle since its last batch, a reply the simulator thread
+that steps its instances, idle since its last chunk. Each rank's main thread does its
+per-message work one message at a time: receiving each reply before its step can
+start (`reply_s`), then each result's bookkeeping and the next request.
+
 Throughput is measured as the runtime's `charts/SPS` is: env steps the trainer
 received per second, between two of its progress reports (the warm-up excluded).
 
@@ -145,7 +152,9 @@ class _Req:
     min_version: int
     arrival: float = 0.0
     gen: int = 0
-    booked: bool = False
+    booked: bool = False  # the simulator's main thread has taken its step's result
+    received: bool = False  # the simulator's main thread has taken its reply
+    worker: tuple = ()  # the thread that steps it: (rank, sub-group or instance), or (rank, -1) inline
 
 
 @dataclass
@@ -155,6 +164,7 @@ class _Gen:
     version: int = 0
     incoming: int = 0
     wake_at: float = -1.0
+    idle_since: float = 0.0  # when it last had nothing to do (a request then wakes it: Costs.wake_s)
     busy_s: float = 0.0
     served: int = 0
     consumed: int = 0
@@ -197,6 +207,7 @@ class Pipeline:
             self.ranks.append(_Rank(envs, groups, workers, outstanding=[0] * cand.gen))
         self.gens = [_Gen() for _ in range(cand.gen)]
         self.device_free: Dict[int, float] = {}
+        self.last_step_end: Dict[tuple, float] = {}  # per simulator thread: when its last chunk ended
         # trainer state
         self.version = 0
         self.buffer: Deque = deque()
@@ -233,11 +244,13 @@ class Pipeline:
         lens = self.k.episode_len
         return int(lens[self.rng.integers(0, len(lens))])
 
-    def _on_device(self, device: int, duration: float) -> float:
-        """When work of `duration` on a shared device ends (collocated GPU simulators share with generators)."""
+    def _on_device(self, device: int, duration: float, ready: Optional[float] = None) -> float:
+        """When work of `duration`, ready at `ready` (now), on a shared device ends (collocated GPU
+        simulators share with generators)."""
+        ready = self.now if ready is None else ready
         if not (self.c.layout == "collocated" and self.k.sim_on_gpu):
-            return self.now + duration
-        start = max(self.now, self.device_free.get(device, 0.0))
+            return ready + duration
+        start = max(ready, self.device_free.get(device, 0.0))
         self.device_free[device] = start + duration
         return start + duration
 
@@ -267,7 +280,14 @@ class Pipeline:
         self.at(self.now + after + self.k.hop_s, self.arrive, _Req(r, envs, group, min_version, gen=gen))
 
     def reply(self, req: _Req, version: int) -> None:
+        """Actions arrive; the rank's main thread receives them (`reply_s`) before a thread can step them."""
         rank = self.ranks[req.rank]
+        if self.k.reply_s > 0 and not req.received:
+            rank.main_free = max(self.now, rank.main_free) + self.k.reply_s
+            req.received = True
+            self.at(rank.main_free, self.reply, req, version)
+            return
+        req.received = False
         rank.outstanding[req.gen] -= 1
         rank.jobs.append((req, version))
         self.run_jobs(req.rank)
@@ -284,7 +304,10 @@ class Pipeline:
             if self.k.cpu:
                 self.cpu_s["simulator"] += self.k.cpu.step_s * steps
             handover = self.k.dispatch_s if self.k.thread_safe else 0.0  # main thread -> worker thread
-            self.at(self._on_device(r, duration) + handover, self.stepped, req, version)
+            # The thread that steps it has slept since its last chunk ended: waking it takes `wake_s`.
+            req.worker = (r, (req.group if self.lockstep else req.envs[0].gid) if self.k.thread_safe else -1)
+            ready = self.now + self.k.wake_s(self.now - self.last_step_end.get(req.worker, self.now))
+            self.at(self._on_device(r, duration, ready) + handover, self.stepped, req, version)
 
     def chunk_time(self, envs: List[_Env]) -> float:
         """Executing one action chunk: each action step waits for the active instances; finished ones reset."""
@@ -307,9 +330,11 @@ class Pipeline:
     def stepped(self, req: _Req, version: int) -> None:
         """A chunk finished; the rank's one main thread records it and sends the next request."""
         rank = self.ranks[req.rank]
+        if not req.booked:
+            self.last_step_end[req.worker] = self.now - (self.k.dispatch_s if self.k.thread_safe else 0.0)
         if self.k.cpu and not req.booked:
             self.cpu_s["simulator"] += self.k.cpu.request_s + self.k.cpu.record_s * len(req.envs)
-        work = self.k.message_s + self.k.record_s * len(req.envs)
+        work = self.k.message_s - self.k.reply_s + self.k.record_s * len(req.envs)  # the request's own part
         if work > 0 and not req.booked:
             rank.main_free = max(self.now, rank.main_free) + work
             req.booked = True
@@ -357,8 +382,13 @@ class Pipeline:
         # The generator stamps a request when it drains its socket, so one that comes
         # during a forward starts its max_wait clock only when the forward ends.
         g = self.gens[req.gen]
-        req.arrival = -1.0 if g.busy else self.now
+        wake = 0.0 if g.busy or g.queue else self.k.wake_s(self.now - g.idle_since)
+        req.arrival = -1.0 if g.busy or wake > 0 else self.now
         g.queue.append(req)
+        if wake > 0:  # asleep in its poll: it takes the request (and any that come meanwhile) once awake
+            g.busy = True
+            self.at(self.now + wake, self._after_work, req.gen)
+            return
         self.serve(req.gen)
 
     def held(self, g: _Gen) -> bool:
@@ -405,15 +435,25 @@ class Pipeline:
         self.at(self._on_device(index, duration), self.served, index, batch, g.version)
 
     def served(self, index: int, batch: List[_Req], version: int) -> None:
-        g = self.gens[index]
         for q in batch:
             self.at(self.now + self.k.hop_s, self.reply, q, version)
+        self._after_work(index)
+
+    def _after_work(self, index: int) -> None:
+        """A forward (or a wake-up) is over: install announced weights first, else serve what waits."""
+        g = self.gens[index]
         if g.incoming > g.version:
             g.busy_s += self.k.install_s
             self.at(self.now + self.k.install_s, self.installed, index, g.incoming)
             return
+        self._free(index)
+
+    def _free(self, index: int) -> None:
+        g = self.gens[index]
         g.busy = False
         self.serve(index)
+        if not g.busy:
+            g.idle_since = self.now
 
     def weights(self, index: int, version: int) -> None:
         g = self.gens[index]
@@ -426,8 +466,7 @@ class Pipeline:
     def installed(self, index: int, version: int) -> None:
         g = self.gens[index]
         g.version = max(g.version, version)
-        g.busy = False
-        self.serve(index)
+        self._free(index)
 
     # ------------------------------------------------------------------ trainer
     def segment(self, steps: int, version: int) -> None:
