@@ -181,7 +181,7 @@ def batching_options(cand: Candidate, work: Workload) -> List[Tuple[int, float]]
 
 
 def rank(spec, costs: Costs, units: Optional[int] = None, work: Optional[Workload] = None, simulate_top: int = 16,
-         tune_top: int = 4, updates: int = 12) -> List[Ranked]:
+         tune_top: int = 4, updates: int = 24) -> List[Ranked]:
     """Every candidate for `units`, best first; rejected ones last with their reasons."""
     work = work or Workload.from_spec(spec)
     units = units or default_units(spec)

@@ -558,10 +558,12 @@ class Pipeline:
                           self._spread(reps[max(0, len(reps) // 4):]))
 
     @staticmethod
-    def _spread(reps: List[tuple], windows: int = 4) -> float:
+    def _spread(reps: List[tuple], most: int = 8) -> float:
         """Relative standard error of the throughput: batch means over equal time windows of the steady
-        state (the received-steps curve interpolated between reports, so bursts of updates even out)."""
-        if len(reps) < 3:
+        state (the received-steps curve interpolated between reports, so bursts of updates even out); as
+        many windows as report intervals, up to `most` (fewer would make the error itself too noisy)."""
+        windows = min(most, len(reps) - 1)
+        if windows < 2:
             return 0.0
         times, steps = np.asarray(reps, float)[:, :2].T
         edges = np.linspace(times[0], times[-1], windows + 1)
