@@ -54,8 +54,8 @@ def test_a_sync_phase_lasts_an_episode_when_the_update_needs_fewer_steps() -> No
 def test_a_thread_woken_from_a_sleep_adds_its_wake_up_to_the_round() -> None:
     # Sync, constant 10 ms steps and 2 ms forwards; waking anything that slept over 1 ms costs 0.5 ms. Each
     # decision the generator wakes after sleeping through the step, the stepping thread after the forward:
-    # P x (step + fwd + 2 wake) a phase, less one wake: the phase's first request finds the generator awake,
-    # installing the new weights.
+    # P x (step + fwd + 2 wake) a phase, less one wake: the phase's first request comes right after the
+    # generator installed the new weights, which ended its sleep.
     wake = Curve([0.0, 0.001], [0.0, 0.0005], flat=True)
     assert (wake(0.0005), wake(0.004), wake(60.0)) == pytest.approx((0.00025, 0.0005, 0.0005))
     costs = constant_costs(0.010, Curve.constant(0.002), 0.020, wake_s=wake)
@@ -425,7 +425,8 @@ def measured(tmp_path_factory):
 def test_profile_measures_cpu_seconds_and_the_runtime_overhead(measured) -> None:
     loaded, _, profile = measured
     over = profile["overhead"]
-    assert set(over) == {"sim_request_cpu_s", "record_cpu_s", "gen_serve_cpu_s", "gen_wake_cpu_s", "segment_cpu_s"}
+    assert set(over) == {"sim_request_cpu_s", "sim_reply_cpu_s", "record_cpu_s", "gen_serve_cpu_s", "gen_wake_cpu_s",
+                         "segment_cpu_s"}
     assert all(v > 0 for k, v in over.items() if k != "gen_wake_cpu_s") and over["gen_wake_cpu_s"] >= 0
     # The generator's per-request share comes from bursts of requests drained in one wake-up; what a lone
     # request cost beyond it is the wake-up, charged once per batch.
@@ -443,12 +444,17 @@ def test_profile_measures_cpu_seconds_and_the_runtime_overhead(measured) -> None
     pred = simulate(Candidate("async", "disaggregated", 1, 1, 1, 1, 8, 0), Workload.from_spec(loaded.spec), costs,
                     updates=6)
     assert pred.cpu_bound < math.inf and set(pred.cpu) == {"simulator", "generator", "trainer"}
-    # Round trips after idle gaps give the wake-up curve; the client's CPU splits into sending and receiving,
-    # and the receiving share is what each reply costs the simulator before its step.
-    assert transport["idle_s"][0] == 0.0 and len(transport["idle_round_trip_s"]) == len(transport["idle_s"]) > 3
+    # Round trips after idle gaps give the wake-up curve (never shorter after a longer sleep, flat past the
+    # longest gap); the client's CPU splits into sending and receiving, and receiving plus decoding is what
+    # each reply costs the simulator's main thread before its step.
+    gaps = transport["idle_s"]
+    assert gaps[0] == 0.0 and len(transport["idle_round_trip_s"]) == len(gaps) > 3
+    waits = [costs.wake_s(g) for g in gaps]
+    assert waits == sorted(waits) and costs.wake_s(10.0) == waits[-1]
+    assert waits[-1] == pytest.approx(max(0.0, max(transport["idle_round_trip_s"]) - transport["idle_round_trip_s"][0]),
+                                      abs=1e-3)
     assert transport["client_cpu_s"] == pytest.approx(transport["client_send_cpu_s"] + transport["client_recv_cpu_s"])
-    assert 0 < costs.reply_s < costs.message_s
-    assert costs.wake_s(0.0) == 0.0 and costs.wake_s(10.0) == costs.wake_s(transport["idle_s"][-1]) >= 0.0
+    assert costs.reply_s == over["sim_reply_cpu_s"] and transport["client_recv_cpu_s"] < costs.reply_s <= costs.message_s
 
 
 def test_an_old_profile_is_not_reused_and_still_loads_without_a_cpu_bound(measured, monkeypatch) -> None:
@@ -473,11 +479,13 @@ def test_an_old_profile_is_not_reused_and_still_loads_without_a_cpu_bound(measur
     costs = from_profile(old, loaded.spec)
     assert costs.cpu is None and (costs.message_s, costs.record_s, costs.request_s) == (1e-4, 2e-5, 3e-4)
     assert costs.hop_s == profile["transport"]["hop_s"]
-    # A profile from before version 6 has no idle series: no wake-ups, no reply share.
+    # A version 5 profile (CPU side, no idle series, no reply share) loads with no wake-ups and no reply work.
+    v5 = json.loads(json.dumps(profile))
     for key in ("idle_s", "idle_round_trip_s", "client_send_cpu_s", "client_recv_cpu_s"):
-        del old["transport"][key]
-    costs = from_profile(old, loaded.spec)
-    assert costs.wake_s(1.0) == 0.0 and costs.reply_s == 0.0
+        del v5["transport"][key]
+    del v5["overhead"]["sim_reply_cpu_s"]
+    v5_costs = from_profile(v5, loaded.spec)
+    assert v5_costs.cpu is not None and v5_costs.wake_s(1.0) == 0.0 and v5_costs.reply_s == 0.0
     pred = simulate(Candidate("async", "disaggregated", 1, 1, 1, 1, 8, 0), Workload.from_spec(loaded.spec), costs,
                     updates=6)
     assert pred.cpu_bound == math.inf and pred.cpu == {}

@@ -278,7 +278,7 @@ def from_profile(prof: Dict, spec) -> Costs:
     # seconds on the target node; older ones timed the encoding alone.
     message = cpu.request_s if cpu else float(sim.get("message_s", 0.0))
     transport = prof["transport"]
-    sent, got = transport.get("client_send_cpu_s", 0.0), transport.get("client_recv_cpu_s", 0.0)
+    reply = float(prof["overhead"].get("sim_reply_cpu_s", 0.0)) if cpu else 0.0
     record = cpu.record_s if cpu else float(sim.get("record_s", 0.0))
     request = cpu.serve_s if cpu else float(gen.get("request_s", 0.0))
     return Costs(
@@ -286,8 +286,7 @@ def from_profile(prof: Dict, spec) -> Costs:
         forward_s=Curve(list(map(float, fwd["sizes"])), isotonic(fwd["seconds"])),
         update_s=Curve(list(map(float, upd["sizes"])), isotonic(upd["seconds"])),
         publish_s=float(publish), install_s=float(install), hop_s=hop_s(prof, cpu),
-        message_s=message, reply_s=message * got / (sent + got) if sent + got > 0 else 0.0,
-        wake_s=wake_curve(transport), record_s=record, request_s=request,
+        message_s=message, reply_s=reply, wake_s=wake_curve(transport), record_s=record, request_s=request,
         batch_s=cpu.wake_s if cpu else 0.0,
         memory=Memory(capacity=float(prof["capacity_bytes"]), sim_base=sim["memory"]["base"],
                       sim_per_env=sim["memory"]["per_env"], gen_base=gen["memory"]["base"],
@@ -308,7 +307,8 @@ def hop_s(prof: Dict, cpu: Optional[CpuCosts]) -> float:
     transport = prof["transport"]
     if cpu is None or "client_cpu_s" not in transport:
         return float(transport["hop_s"])
-    rtt = float(transport["round_trip_s"])
+    # Right after the last message where measured (wake-ups after a sleep are `wake_s`, not counted twice).
+    rtt = float((transport.get("idle_round_trip_s") or [transport["round_trip_s"]])[0])
     return max(0.0, rtt - transport["client_cpu_s"] - transport["server_cpu_s"]) / 2
 
 

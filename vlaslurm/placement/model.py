@@ -162,8 +162,13 @@ def _pipeline_estimate(cand: Candidate, work: Workload, costs: Costs) -> float:
     # Each round the generator wakes from sleeping through the steps, the stepping thread from the forwards
     # (pipelined: only through what the other sub-groups' work does not fill).
     gen_sleep, thread_sleep = (step, fwd) if k == 1 else (max(0.0, step - fwd), max(0.0, fwd - step))
-    cycle = max(step, fwd) + (0 if k > 1 else fwd) + 2 * costs.hop_s + costs.wake_s(gen_sleep) + \
-        costs.wake_s(thread_sleep)
+    if k == 1:
+        cycle = step + fwd
+    elif costs.thread_safe:  # sub-groups step side by side; each still waits for its own forward
+        cycle = max(step + fwd / k, fwd)
+    else:  # they take turns on one thread, which the forwards of the others can hide behind
+        cycle = max(step, fwd)
+    cycle += 2 * costs.hop_s + costs.wake_s(gen_sleep) + costs.wake_s(thread_sleep)
     decisions = work.chunks_per_phase(k)
     swap = costs.swap_s if cand.layout == "collocated" else 0.0
     return work.num_envs * C * decisions / (decisions * cycle + train + swap)
@@ -206,7 +211,7 @@ def rank(spec, costs: Costs, units: Optional[int] = None, work: Optional[Workloa
     return order(list(done.values())) + rejected
 
 
-TARGET_SPREAD = 0.02  # relative standard error of a prediction worth simulating longer for
+TARGET_SPREAD = 0.01  # relative standard error of a prediction worth simulating longer for (ties: 2x it)
 
 
 def predict(cand: Candidate, work: Workload, costs: Costs, updates: int, longest: int = 8) -> Prediction:

@@ -402,7 +402,8 @@ def _overhead(spec, obs, dims, transport: Dict[str, Any], run_chunk_s: float) ->
     """The runtime's own CPU per decision, per role that pays it (CPU seconds on this node).
 
     - simulator, per request: build and encode the observation, the signed round trip
-      through real sockets (client side), decode the actions;
+      through real sockets (client side), decode the actions; and of that, the reply's part
+      (receive, decode) apart;
     - simulator, per instance and decision: run_chunk's loop around the steps (`run_chunk_s`),
       EnvTrack.record, and encoding the segments it ships;
     - generator, per request: its side of the round trip (receive, verify, sign, send)
@@ -424,6 +425,7 @@ def _overhead(spec, obs, dims, transport: Dict[str, Any], run_chunk_s: float) ->
     obs_msg = decode(encode(msgs.encode_obs(msgs.ObsRequest([0], [0], [0], [1], stack_obs([item]), 0, 0)), key), key)
     sim_payload = _cpu_per_call(lambda: (msgs.encode_obs(msgs.ObsRequest([0], [0], [0], [1], stack_obs([track.obs]),
                                                                           0, 0)), msgs.decode_act(act_msg)), 300)
+    reply_payload = _cpu_per_call(lambda: msgs.decode_act(act_msg), 300)
     gen_payload = _cpu_per_call(lambda: (msgs.decode_obs(obs_msg), msgs.encode_act(reply)), 300)
     rounds, segments = 400, []
     start = time.process_time()
@@ -435,7 +437,10 @@ def _overhead(spec, obs, dims, transport: Dict[str, Any], run_chunk_s: float) ->
     wire = encode(msgs.encode_segment(sample), key)
     seg_encode = _cpu_per_call(lambda: encode(msgs.encode_segment(sample), key), 50)
     seg_decode = _cpu_per_call(lambda: msgs.decode_segment(decode(wire, key)), 50)
-    return {"sim_request_cpu_s": transport["client_cpu_s"] + sim_payload,
+    request = transport["client_cpu_s"] + sim_payload
+    return {"sim_request_cpu_s": request,
+            # of which a reply's part, before its step can start: receiving it, decoding the actions
+            "sim_reply_cpu_s": min(request, transport["client_recv_cpu_s"] + reply_payload),
             "record_cpu_s": run_chunk_s + record + seg_encode * len(segments) / rounds,
             "gen_serve_cpu_s": transport["server_burst_cpu_s"] + gen_payload,
             "gen_wake_cpu_s": max(0.0, transport["server_cpu_s"] - transport["server_burst_cpu_s"]),

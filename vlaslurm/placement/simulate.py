@@ -2,9 +2,10 @@
 
 It replays what the runtime's roles do (vlaslurm/runtime/roles), with costs drawn
 from a `Costs`:
-- simulator ranks: lock-step phases (sync: one group; pipelined: k sub-groups that
-  take turns on the rank's one thread), or async (each environment requests alone,
-  a rank steps as many at once as it has threads);
+- simulator ranks: lock-step phases (sync: one group; pipelined: k sub-groups, side
+  by side in threads where the env allows it, else taking turns on the rank's one
+  thread), or async (each environment requests alone, a rank steps as many at once
+  as it has threads);
 - generator replicas: dynamic batching (serve when `max_batch` items wait or the
   oldest has waited `max_wait_ms`; a request newer than the replica's weights waits);
 - trainer: at the end of every phase (lock-step) or every `steps_per_update` env
@@ -306,8 +307,16 @@ class Pipeline:
             handover = self.k.dispatch_s if self.k.thread_safe else 0.0  # main thread -> worker thread
             # The thread that steps it has slept since its last chunk ended: waking it takes `wake_s`.
             req.worker = (r, (req.group if self.lockstep else req.envs[0].gid) if self.k.thread_safe else -1)
-            ready = self.now + self.k.wake_s(self.now - self.last_step_end.get(req.worker, self.now))
-            self.at(self._on_device(r, duration, ready) + handover, self.stepped, req, version)
+            last = self.last_step_end.get(req.worker, self.now)
+            if self.k.thread_safe:
+                ready = self.now + self.k.wake_s(self.now - last)
+            else:  # the main thread steps it once its other work is done; it slept only if it had none
+                last = max(last, rank.main_free)
+                ready = max(self.now, rank.main_free) + (self.k.wake_s(self.now - last) if last < self.now else 0.0)
+            end = self._on_device(r, duration, ready) + handover
+            if not self.k.thread_safe:
+                rank.main_free = max(rank.main_free, end)
+            self.at(end, self.stepped, req, version)
 
     def chunk_time(self, envs: List[_Env]) -> float:
         """Executing one action chunk: each action step waits for the active instances; finished ones reset."""
@@ -466,7 +475,7 @@ class Pipeline:
     def installed(self, index: int, version: int) -> None:
         g = self.gens[index]
         g.version = max(g.version, version)
-        self._free(index)
+        self._after_work(index)  # newer weights may have been announced meanwhile
 
     # ------------------------------------------------------------------ trainer
     def segment(self, steps: int, version: int) -> None:
@@ -563,7 +572,7 @@ class Pipeline:
         state (the received-steps curve interpolated between reports, so bursts of updates even out); as
         many windows as report intervals, up to `most` (fewer would make the error itself too noisy)."""
         windows = min(most, len(reps) - 1)
-        if windows < 2:
+        if windows < 3:
             return 0.0
         times, steps = np.asarray(reps, float)[:, :2].T
         edges = np.linspace(times[0], times[-1], windows + 1)
