@@ -58,7 +58,7 @@ def test_a_thread_woken_from_a_sleep_adds_its_wake_up_to_the_round() -> None:
     # generator installed the new weights, which ended its sleep.
     wake = Curve([0.0, 0.001], [0.0, 0.0005], flat=True)
     assert (wake(0.0005), wake(0.004), wake(60.0)) == pytest.approx((0.00025, 0.0005, 0.0005))
-    costs = constant_costs(0.010, Curve.constant(0.002), 0.020, wake_s=wake)
+    costs = constant_costs(0.010, Curve.constant(0.002), 0.020, wake_after_s=wake)
     pred = simulate(Candidate("sync", "disaggregated", 1, 1, 1, 1, 16, 0), Workload(16, 1, 256), costs)
     phase = 16 * (0.010 + 0.002 + 2 * 0.0005) - 0.0005
     assert pred.sps == pytest.approx(256 / (phase + 0.020), rel=1e-6)
@@ -449,8 +449,8 @@ def test_profile_measures_cpu_seconds_and_the_runtime_overhead(measured) -> None
     # each reply costs the simulator's main thread before its step.
     gaps = transport["idle_s"]
     assert gaps[0] == 0.0 and len(transport["idle_round_trip_s"]) == len(gaps) > 3
-    waits = [costs.wake_s(g) for g in gaps]
-    assert waits == sorted(waits) and costs.wake_s(10.0) == waits[-1]
+    waits = [costs.wake_after_s(g) for g in gaps]
+    assert waits == sorted(waits) and costs.wake_after_s(10.0) == waits[-1]
     assert waits[-1] == pytest.approx(max(0.0, max(transport["idle_round_trip_s"]) - transport["idle_round_trip_s"][0]),
                                       abs=1e-3)
     assert transport["client_cpu_s"] == pytest.approx(transport["client_send_cpu_s"] + transport["client_recv_cpu_s"])
@@ -485,7 +485,7 @@ def test_an_old_profile_is_not_reused_and_still_loads_without_a_cpu_bound(measur
         del v5["transport"][key]
     del v5["overhead"]["sim_reply_cpu_s"]
     v5_costs = from_profile(v5, loaded.spec)
-    assert v5_costs.cpu is not None and v5_costs.wake_s(1.0) == 0.0 and v5_costs.reply_s == 0.0
+    assert v5_costs.cpu is not None and v5_costs.wake_after_s(1.0) == 0.0 and v5_costs.reply_s == 0.0
     pred = simulate(Candidate("async", "disaggregated", 1, 1, 1, 1, 8, 0), Workload.from_spec(loaded.spec), costs,
                     updates=6)
     assert pred.cpu_bound == math.inf and pred.cpu == {}

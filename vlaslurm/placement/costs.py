@@ -128,7 +128,7 @@ class Costs:
     reply_s: float = 0.0  # of message_s, the part each reply costs before its step can start (receive, decode)
     # Waking a thread that has slept for t seconds (the function's argument) costs this much latency on top
     # of a hop: a request wakes its generator, a reply the simulator thread that steps its instances.
-    wake_s: Curve = field(default_factory=lambda: Curve.constant(0.0))
+    wake_after_s: Curve = field(default_factory=lambda: Curve.constant(0.0))
     record_s: float = 0.0  # simulator main thread, per instance and decision: segment bookkeeping
     request_s: float = 0.0  # generator, per request: decode it, encode the reply
     # generator, per batch: its loop's fixed work, waking for the batch's requests (weights are looked for
@@ -286,7 +286,7 @@ def from_profile(prof: Dict, spec) -> Costs:
         forward_s=Curve(list(map(float, fwd["sizes"])), isotonic(fwd["seconds"])),
         update_s=Curve(list(map(float, upd["sizes"])), isotonic(upd["seconds"])),
         publish_s=float(publish), install_s=float(install), hop_s=hop_s(prof, cpu),
-        message_s=message, reply_s=reply, wake_s=wake_curve(transport), record_s=record, request_s=request,
+        message_s=message, reply_s=reply, wake_after_s=wake_curve(transport), record_s=record, request_s=request,
         batch_s=cpu.wake_s if cpu else 0.0,
         memory=Memory(capacity=float(prof["capacity_bytes"]), sim_base=sim["memory"]["base"],
                       sim_per_env=sim["memory"]["per_env"], gen_base=gen["memory"]["base"],
@@ -307,7 +307,7 @@ def hop_s(prof: Dict, cpu: Optional[CpuCosts]) -> float:
     transport = prof["transport"]
     if cpu is None or "client_cpu_s" not in transport:
         return float(transport["hop_s"])
-    # Right after the last message where measured (wake-ups after a sleep are `wake_s`, not counted twice).
+    # Right after the last message where measured (wake-ups after a sleep are `wake_after_s`, not counted twice).
     rtt = float((transport.get("idle_round_trip_s") or [transport["round_trip_s"]])[0])
     return max(0.0, rtt - transport["client_cpu_s"] - transport["server_cpu_s"]) / 2
 

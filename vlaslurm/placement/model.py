@@ -149,7 +149,7 @@ def _pipeline_estimate(cand: Candidate, work: Workload, costs: Costs) -> float:
     if cand.mode == "async":
         b = max(1, min(cand.max_batch, work.num_envs // cand.gen))
         # Each step waits at least a forward for its actions, so its thread wakes from a sleep that long.
-        means = costs.step_samples.mean(axis=1)[ids] * C + costs.dispatch_s + costs.wake_s(costs.forward_s(b))
+        means = costs.step_samples.mean(axis=1)[ids] * C + costs.dispatch_s + costs.wake_after_s(costs.forward_s(b))
         sim_cap = cand.sim * (float(np.sum(C / means)) if costs.thread_safe else C * per / float(means.sum()))
         gen_cap = cand.gen * b * C / (costs.forward_s(b) + cand.max_wait_ms / 2000.0)
         return min(sim_cap, gen_cap, work.steps_per_update / train)
@@ -168,7 +168,7 @@ def _pipeline_estimate(cand: Candidate, work: Workload, costs: Costs) -> float:
         cycle = max(step + fwd / k, fwd)
     else:  # they take turns on one thread, which the forwards of the others can hide behind
         cycle = max(step, fwd)
-    cycle += 2 * costs.hop_s + costs.wake_s(gen_sleep) + costs.wake_s(thread_sleep)
+    cycle += 2 * costs.hop_s + costs.wake_after_s(gen_sleep) + costs.wake_after_s(thread_sleep)
     decisions = work.chunks_per_phase(k)
     swap = costs.swap_s if cand.layout == "collocated" else 0.0
     return work.num_envs * C * decisions / (decisions * cycle + train + swap)

@@ -12,7 +12,7 @@ from a `Costs`:
   steps (async), updates, then publishes; Δv = trainer version - segment version;
   past `max_staleness` a segment is dropped, or (`hold`) generators stop serving.
 
-Latency beyond the measured work: a hop per message, and a wake-up (`Costs.wake_s`,
+Latency beyond the measured work: a hop per message, and a wake-up (`Costs.wake_after_s`,
 measured as round trips after idle gaps) wherever a message finds its receiver asleep:
 a request wakes a generator idle since its last batch, a reply the simulator thread
 that steps its instances, idle since its last chunk. Each rank's main thread does its
@@ -165,7 +165,7 @@ class _Gen:
     version: int = 0
     incoming: int = 0
     wake_at: float = -1.0
-    idle_since: float = 0.0  # when it last had nothing to do (a request then wakes it: Costs.wake_s)
+    idle_since: float = 0.0  # when it last had nothing to do (a request then wakes it: Costs.wake_after_s)
     busy_s: float = 0.0
     served: int = 0
     consumed: int = 0
@@ -305,14 +305,14 @@ class Pipeline:
             if self.k.cpu:
                 self.cpu_s["simulator"] += self.k.cpu.step_s * steps
             handover = self.k.dispatch_s if self.k.thread_safe else 0.0  # main thread -> worker thread
-            # The thread that steps it has slept since its last chunk ended: waking it takes `wake_s`.
+            # The thread that steps it has slept since its last chunk ended: waking it takes `wake_after_s`.
             req.worker = (r, (req.group if self.lockstep else req.envs[0].gid) if self.k.thread_safe else -1)
             last = self.last_step_end.get(req.worker, self.now)
             if self.k.thread_safe:
-                ready = self.now + self.k.wake_s(self.now - last)
+                ready = self.now + self.k.wake_after_s(self.now - last)
             else:  # the main thread steps it once its other work is done; it slept only if it had none
                 last = max(last, rank.main_free)
-                ready = max(self.now, rank.main_free) + (self.k.wake_s(self.now - last) if last < self.now else 0.0)
+                ready = max(self.now, rank.main_free) + (self.k.wake_after_s(self.now - last) if last < self.now else 0.0)
             end = self._on_device(r, duration, ready) + handover
             if not self.k.thread_safe:
                 rank.main_free = max(rank.main_free, end)
@@ -391,7 +391,7 @@ class Pipeline:
         # The generator stamps a request when it drains its socket, so one that comes
         # during a forward starts its max_wait clock only when the forward ends.
         g = self.gens[req.gen]
-        wake = 0.0 if g.busy or g.queue else self.k.wake_s(self.now - g.idle_since)
+        wake = 0.0 if g.busy or g.queue else self.k.wake_after_s(self.now - g.idle_since)
         req.arrival = -1.0 if g.busy or wake > 0 else self.now
         g.queue.append(req)
         if wake > 0:  # asleep in its poll: it takes the request (and any that come meanwhile) once awake
