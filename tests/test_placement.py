@@ -389,9 +389,10 @@ def replace_cpus(work: Workload, cpus) -> Workload:
     return replace(work, cpus=cpus)
 
 
-def fake_ranked(mode: str, sps: float, batch: int, p99: float, spread: float = 0.0) -> pm.Ranked:
+def fake_ranked(mode: str, sps: float, batch: int, p99: float, spread: float = 0.0,
+                wait_ms: float = 0.0) -> pm.Ranked:
     pred = Prediction(sps, sps, {}, {"mean": 0, "p50": 0, "p99": p99, "max": p99}, 0.0, 10, 1.0, spread=spread)
-    return pm.Ranked(Candidate(mode, "disaggregated", 1, 1, 1, 1, batch, 0), pred)
+    return pm.Ranked(Candidate(mode, "disaggregated", 1, 1, 1, 1, batch, wait_ms), pred)
 
 
 def test_ties_within_the_model_uncertainty_go_to_the_more_robust_candidate() -> None:
@@ -410,6 +411,10 @@ def test_ties_within_the_model_uncertainty_go_to_the_more_robust_candidate() -> 
     # Among the fresher ones, throughput decides again where it can: sync 900 is 6% above pipelined 850.
     noisy.append(fake_ranked("pipelined", 850, 8, 0))
     assert [r.cand.mode for r in pm.order(noisy)] == ["sync", "pipelined", "async"]
+    # A batching wait loses a tie, even to a slightly lower prediction; past the band it does not.
+    waited = fake_ranked("async", 1000, 16, 1, wait_ms=5)
+    assert pm.order([waited, fake_ranked("async", 995, 16, 1)])[0].cand.max_wait_ms == 0
+    assert pm.order([waited, fake_ranked("async", 950, 16, 1)])[0].cand.max_wait_ms == 5
 
 
 @pytest.fixture(scope="module")
