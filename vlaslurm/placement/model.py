@@ -161,13 +161,13 @@ def _pipeline_estimate(cand: Candidate, work: Workload, costs: Costs) -> float:
     fwd = k * costs.forward_s(items)
     # Each round the generator wakes from sleeping through the steps, the stepping thread from the forwards
     # (pipelined: only through what the other sub-groups' work does not fill).
-    gen_sleep, thread_sleep = (step, fwd) if k == 1 else (max(0.0, step - fwd), max(0.0, fwd - step))
     if k == 1:
-        cycle = step + fwd
-    elif costs.thread_safe:  # sub-groups step side by side; each still waits for its own forward
-        cycle = max(step + fwd / k, fwd)
-    else:  # they take turns on one thread, which the forwards of the others can hide behind
-        cycle = max(step, fwd)
+        cycle, gen_sleep, thread_sleep = step + fwd, step, fwd
+    else:
+        gen_sleep, thread_sleep = max(0.0, step - fwd), max(0.0, fwd - step)
+        # Side by side each sub-group still waits for its own forward; taking turns on one thread, the
+        # others' forwards can hide behind its steps.
+        cycle = max(step + fwd / k, fwd) if costs.thread_safe else max(step, fwd)
     cycle += 2 * costs.hop_s + costs.wake_after_s(gen_sleep) + costs.wake_after_s(thread_sleep)
     decisions = work.chunks_per_phase(k)
     swap = costs.swap_s if cand.layout == "collocated" else 0.0

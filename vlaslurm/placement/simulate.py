@@ -155,7 +155,6 @@ class _Req:
     gen: int = 0
     booked: bool = False  # the simulator's main thread has taken its step's result
     received: bool = False  # the simulator's main thread has taken its reply
-    worker: tuple = ()  # the thread that steps it: (rank, sub-group or instance), or (rank, -1) inline
 
 
 @dataclass
@@ -306,14 +305,16 @@ class Pipeline:
                 self.cpu_s["simulator"] += self.k.cpu.step_s * steps
             handover = self.k.dispatch_s if self.k.thread_safe else 0.0  # main thread -> worker thread
             # The thread that steps it has slept since its last chunk ended: waking it takes `wake_after_s`.
-            req.worker = (r, (req.group if self.lockstep else req.envs[0].gid) if self.k.thread_safe else -1)
-            last = self.last_step_end.get(req.worker, self.now)
+            # (One thread per sub-group or instance, or the main thread inline: never two chunks at once.)
+            worker = (r, (req.group if self.lockstep else req.envs[0].gid) if self.k.thread_safe else -1)
+            last = self.last_step_end.get(worker, self.now)
             if self.k.thread_safe:
                 ready = self.now + self.k.wake_after_s(self.now - last)
             else:  # the main thread steps it once its other work is done; it slept only if it had none
                 last = max(last, rank.main_free)
                 ready = max(self.now, rank.main_free) + (self.k.wake_after_s(self.now - last) if last < self.now else 0.0)
             end = self._on_device(r, duration, ready) + handover
+            self.last_step_end[worker] = end - handover
             if not self.k.thread_safe:
                 rank.main_free = max(rank.main_free, end)
             self.at(end, self.stepped, req, version)
@@ -339,8 +340,6 @@ class Pipeline:
     def stepped(self, req: _Req, version: int) -> None:
         """A chunk finished; the rank's one main thread records it and sends the next request."""
         rank = self.ranks[req.rank]
-        if not req.booked:
-            self.last_step_end[req.worker] = self.now - (self.k.dispatch_s if self.k.thread_safe else 0.0)
         if self.k.cpu and not req.booked:
             self.cpu_s["simulator"] += self.k.cpu.request_s + self.k.cpu.record_s * len(req.envs)
         work = self.k.message_s - self.k.reply_s + self.k.record_s * len(req.envs)  # the request's own part
