@@ -312,7 +312,8 @@ class Pipeline:
                 ready = self.now + self.k.wake_after_s(self.now - last)
             else:  # the main thread steps it once its other work is done; it slept only if it had none
                 last = max(last, rank.main_free)
-                ready = max(self.now, rank.main_free) + (self.k.wake_after_s(self.now - last) if last < self.now else 0.0)
+                asleep = self.now - last if last < self.now else 0.0
+                ready = max(self.now, rank.main_free) + (self.k.wake_after_s(asleep) if asleep else 0.0)
             end = self._on_device(r, duration, ready) + handover
             self.last_step_end[worker] = end - handover
             if not self.k.thread_safe:
