@@ -78,12 +78,21 @@ def run_spec(tmp_path: Path, spec: dict, overrides: Sequence[str] = (), name: st
 
 
 def served_versions(run: Run) -> Dict[Tuple[int, int, int], List[int]]:
-    """(env_id, episode, step) -> versions of every generator batch that served it (the served record)."""
-    served: Dict[Tuple[int, int, int], List[int]] = {}
+    """(env_id, episode, step) -> versions of every batch that served it, in the newest generator process
+    that served it. An older process of a restarted generator may have served it too: such a reply died
+    with its process (or with the simulator's socket to it) and the simulator resent the request."""
+    served: Dict[Tuple[int, int, int], Tuple[int, List[int]]] = {}
     for batch in run.events("batch", "generator"):
+        life = batch.get("inc", 0)
         for env_id, episode, step in batch["items"]:
-            served.setdefault((env_id, episode, step), []).append(batch["v"])
-    return served
+            key = (env_id, episode, step)
+            newest, versions = served.get(key, (life, []))
+            if life > newest:
+                newest, versions = life, []
+            if life == newest:
+                versions.append(batch["v"])
+            served[key] = (newest, versions)
+    return {key: versions for key, (_, versions) in served.items()}
 
 
 def overlaps(a: Tuple[float, float], b: Tuple[float, float]) -> bool:

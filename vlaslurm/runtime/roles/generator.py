@@ -153,6 +153,7 @@ class Generator:
         # record never misses a batch whose actions reached a simulator.
         durable = ctx.spec.resources.generator.max_restarts > 0
         self.events = EventLog(ctx.run_dir, "generator", ctx.rank, flush_every=1 if durable else 512)
+        self.incarnation = signals.incarnation()  # tells this process's served record from a killed one's
         self.counters = Counters(ctx.run_dir, "generator", ctx.rank)
         self.heartbeat = Heartbeat(ctx.run_dir, "generator", ctx.rank)
         self.version = -1
@@ -232,7 +233,7 @@ class Generator:
         actions, logprob, value = (x.float().cpu().numpy() for x in (out.actions, out.logprob, out.value))
         t1 = self.ctx.now()
         items = [[e, ep, st] for r in requests for e, ep, st in zip(r.env_ids, r.episodes, r.steps)]
-        self.events.add("batch", t0=t0, t1=t1, v=self.version, n=len(items),
+        self.events.add("batch", t0=t0, t1=t1, v=self.version, n=len(items), inc=self.incarnation,
                         g=sorted({r.sub_group for r in requests}), items=items)
         for p, reply in replies(batch, self.version, self.ctx.rank, actions, logprob, value):
             self.reply(p.peer, msgs.encode_act(reply))
