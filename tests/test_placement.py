@@ -78,6 +78,21 @@ def test_each_reply_is_received_by_the_one_main_thread_before_its_step() -> None
     assert after.sps == pytest.approx(n / (fwd + step + n * m), rel=1e-6)
 
 
+def test_a_message_wakes_the_main_thread_that_slept_in_its_poll() -> None:
+    # Async, 8 instances answered in one batch, and anything that slept over 1 ms takes w to wake. The
+    # main thread slept through the forward: the first reply wakes it (w), then it receives the replies
+    # (r each). Each step's thread, asleep since its last step, wakes (w) and steps; the main thread slept
+    # through the steps too, so the first result wakes it again (w). The results then queue for its
+    # bookkeeping (m - r each, longer than the r between them); the last request completes the batch.
+    n, step, fwd, m, r, w = 8, 0.010, 0.002, 0.0005, 0.0002, 0.0005
+    work = Workload(n, 1, 256, max_staleness=100)
+    cand = Candidate("async", "disaggregated", 1, 1, 1, 1, n, 1000.0)
+    wake = Curve([0.0, 0.001], [0.0, w], flat=True)
+    pred = simulate(cand, work, constant_costs(step, Curve.constant(fwd), 1e-4, message_s=m, reply_s=r,
+                                               wake_after_s=wake), updates=20)
+    assert pred.sps == pytest.approx(n / (fwd + w + r + w + step + w + n * (m - r)), rel=1e-6)
+
+
 def test_sync_waits_for_a_batch_that_never_fills() -> None:
     # max_batch above the request size: every decision step also waits max_wait_ms.
     costs = constant_costs(0.010, Curve.constant(0.002), 0.0)

@@ -17,7 +17,8 @@ measured as round trips after idle gaps) wherever a message finds its receiver a
 a request wakes a generator idle since its last batch, a reply the simulator thread
 that steps its instances, idle since its last chunk. Each rank's main thread does its
 per-message work one message at a time: receiving each reply before its step can
-start (`reply_s`), then each result's bookkeeping and the next request.
+start (`reply_s`), then each result's bookkeeping and the next request; a reply or a
+finished chunk that finds it asleep in its poll wakes it first.
 
 Throughput is measured as the runtime's `charts/SPS` is: env steps the trainer
 received per second, between two of its progress reports (the warm-up excluded).
@@ -283,7 +284,7 @@ class Pipeline:
         """Actions arrive; the rank's main thread receives them (`reply_s`) before a thread can step them."""
         rank = self.ranks[req.rank]
         if self.k.reply_s > 0 and not req.received:
-            rank.main_free = max(self.now, rank.main_free) + self.k.reply_s
+            rank.main_free = self._main_start(rank) + self.k.reply_s
             req.received = True
             self.at(rank.main_free, self.reply, req, version)
             return
@@ -291,6 +292,13 @@ class Pipeline:
         rank.outstanding[req.gen] -= 1
         rank.jobs.append((req, version))
         self.run_jobs(req.rank)
+
+    def _main_start(self, rank: _Rank) -> float:
+        """When the rank's main thread can take a message: after its other work, or, if it has slept
+        in its poll since, once the message has woken it (`wake_after_s`)."""
+        if rank.main_free >= self.now:
+            return rank.main_free
+        return self.now + self.k.wake_after_s(self.now - rank.main_free)
 
     def run_jobs(self, r: int) -> None:
         rank = self.ranks[r]
@@ -345,7 +353,7 @@ class Pipeline:
             self.cpu_s["simulator"] += self.k.cpu.request_s + self.k.cpu.record_s * len(req.envs)
         work = self.k.message_s - self.k.reply_s + self.k.record_s * len(req.envs)  # the request's own part
         if work > 0 and not req.booked:
-            rank.main_free = max(self.now, rank.main_free) + work
+            rank.main_free = self._main_start(rank) + work
             req.booked = True
             self.at(rank.main_free, self.stepped, req, version)
             return
