@@ -14,11 +14,12 @@ from a `Costs`:
 
 Latency beyond the measured work: a hop per message, and a wake-up (`Costs.wake_after_s`,
 measured as round trips after idle gaps) wherever a message finds its receiver asleep:
-a request wakes a generator idle since its last batch, a reply the simulator thread
-that steps its instances, idle since its last chunk. Each rank's main thread does its
-per-message work one message at a time: receiving each reply before its step can
-start (`reply_s`), then each result's bookkeeping and the next request; a reply or a
-finished chunk that finds it asleep in its poll wakes it first.
+a request or its batch timer wakes a generator asleep in its poll (idle, or waiting for
+a batch to fill), a reply the simulator thread that steps its instances, idle since its
+last chunk. Each rank's main thread does its per-message work one message at a time:
+receiving each reply before its step can start (`reply_s`), then each result's
+bookkeeping and the next request; a reply or a finished chunk that finds it asleep in
+its poll wakes it first.
 
 Throughput is measured as the runtime's `charts/SPS` is: env steps the trainer
 received per second, between two of its progress reports (the warm-up excluded).
@@ -165,7 +166,7 @@ class _Gen:
     version: int = 0
     incoming: int = 0
     wake_at: float = -1.0
-    idle_since: float = 0.0  # when it last had nothing to do (a request then wakes it: Costs.wake_after_s)
+    idle_since: float = 0.0  # since when it sleeps in its poll (a request or timer wakes it: Costs.wake_after_s)
     busy_s: float = 0.0
     served: int = 0
     consumed: int = 0
@@ -399,14 +400,25 @@ class Pipeline:
         # The generator stamps a request when it drains its socket, so one that comes
         # during a forward starts its max_wait clock only when the forward ends.
         g = self.gens[req.gen]
-        wake = 0.0 if g.busy or g.queue else self.k.wake_after_s(self.now - g.idle_since)
-        req.arrival = -1.0 if g.busy or wake > 0 else self.now
+        req.arrival = -1.0 if g.busy else self.now
         g.queue.append(req)
-        if wake > 0:  # asleep in its poll: it takes the request (and any that come meanwhile) once awake
-            g.busy = True
-            self.at(self.now + wake, self._after_work, req.gen)
+        self._wake(req.gen)
+
+    def _wake(self, index: int) -> None:
+        """A request or the batch timer finds the generator: if it sleeps in its poll (idle, or waiting for
+        a batch to fill), it takes the queue (and whatever comes meanwhile) once awake."""
+        g = self.gens[index]
+        if g.busy:
             return
-        self.serve(req.gen)
+        wake = self.k.wake_after_s(self.now - g.idle_since)
+        if wake > 0:
+            for q in g.queue:
+                if q.arrival == self.now:
+                    q.arrival = -1.0  # stamped when drained, after the wake-up
+            g.busy = True
+            self.at(self.now + wake, self._after_work, index)
+            return
+        self._free(index)  # awake at once: back to sleep (from now) unless it serves
 
     def held(self, g: _Gen) -> bool:
         w = self.w
@@ -429,7 +441,7 @@ class Pipeline:
         if items < self.c.max_batch and self.now < due - 1e-12:
             if g.wake_at != due:
                 g.wake_at = due
-                self.at(due, self.serve, index)
+                self.at(due, self._wake, index)
             return
         batch, n = [], 0
         for q in servable:
