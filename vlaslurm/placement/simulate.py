@@ -13,7 +13,8 @@ from a `Costs`:
   past `max_staleness` a segment is dropped, or (`hold`) generators stop serving.
 
 Latency beyond the measured work: a hop per message, and a wake-up (`Costs.wake_after_s`,
-measured as round trips after idle gaps) wherever a message finds its receiver asleep:
+measured as round trips after idle gaps) wherever a decision's message finds its receiver
+asleep (the trainer's announcements, one a phase, are not charged):
 a request or its batch timer wakes a generator asleep in its poll (idle, or waiting for
 a batch to fill), a reply the simulator thread that steps its instances, idle since its
 last chunk. Each rank's main thread does its per-message work one message at a time:
