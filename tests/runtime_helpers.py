@@ -78,21 +78,21 @@ def run_spec(tmp_path: Path, spec: dict, overrides: Sequence[str] = (), name: st
 
 
 def served_versions(run: Run) -> Dict[Tuple[int, int, int], List[int]]:
-    """(env_id, episode, step) -> versions of every batch that served it, in the newest generator process
-    that served it. An older process of a restarted generator may have served it too: such a reply died
-    with its process (or with the simulator's socket to it) and the simulator resent the request."""
-    served: Dict[Tuple[int, int, int], Tuple[int, List[int]]] = {}
+    """(env_id, episode, step) -> versions of every batch that served it, leaving out serves by a process
+    of a generator rank that was restarted and served it again: such a reply died with its process (or
+    with the simulator's socket to it), and the simulator resent the request to the same rank."""
+    serves: Dict[Tuple[int, int, int], List[Tuple[int, int, int]]] = {}
     for batch in run.events("batch", "generator"):
-        life = batch.get("inc", 0)
         for env_id, episode, step in batch["items"]:
-            key = (env_id, episode, step)
-            newest, versions = served.get(key, (life, []))
-            if life > newest:
-                newest, versions = life, []
-            if life == newest:
-                versions.append(batch["v"])
-            served[key] = (newest, versions)
-    return {key: versions for key, (_, versions) in served.items()}
+            serves.setdefault((env_id, episode, step), []).append((batch["rank"], batch.get("inc", 0), batch["v"]))
+    return {key: _newest_processes(found) for key, found in serves.items()}
+
+
+def _newest_processes(serves: List[Tuple[int, int, int]]) -> List[int]:
+    newest: Dict[int, int] = {}
+    for rank, inc, _ in serves:
+        newest[rank] = max(newest.get(rank, inc), inc)
+    return [v for rank, inc, v in serves if inc == newest[rank]]
 
 
 def overlaps(a: Tuple[float, float], b: Tuple[float, float]) -> bool:

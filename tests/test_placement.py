@@ -83,8 +83,9 @@ def test_a_message_wakes_the_main_thread_that_slept_in_its_poll() -> None:
     # main thread slept through the forward: the first reply wakes it (w), then it receives the replies
     # (r each). Each step's thread, asleep since its last step, wakes (w) and steps; the main thread slept
     # through the steps too, so the first result wakes it again (w). The results then queue for its
-    # bookkeeping (m - r each, longer than the r between them); the last request completes the batch
-    # (the generator, woken by the first, slept less than 1 ms since the one before: no wake-up).
+    # bookkeeping (m - r each, longer than the r between them); the last request completes the batch.
+    # (The first request wakes the generator (w), hidden behind the 7 (m - r) until the last; each later
+    # one finds it asleep for less than 1 ms: no wake-up.)
     n, step, fwd, m, r, w = 8, 0.010, 0.002, 0.0005, 0.0002, 0.0005
     work = Workload(n, 1, 256, max_staleness=100)
     cand = Candidate("async", "disaggregated", 1, 1, 1, 1, n, 1000.0)
@@ -106,7 +107,8 @@ def test_the_batch_timer_wakes_a_generator_asleep_in_its_poll() -> None:
     # As above with wake-ups (w after any sleep over 1 ms): each decision the request wakes the generator
     # (asleep through the step), which then sleeps max_wait_ms for a batch that never fills and is woken
     # by its timer (w); the stepping thread wakes after the forward (w). The phase's first request finds
-    # the generator just done installing the new weights: one wake-up less.
+    # the generator just done installing the new weights (install, hop and reset all take 0 here): one
+    # wake-up less.
     w = 0.0005
     wake = Curve([0.0, 0.001], [0.0, w], flat=True)
     costs = constant_costs(0.010, Curve.constant(0.002), 0.020, wake_after_s=wake)

@@ -148,11 +148,9 @@ def _pipeline_estimate(cand: Candidate, work: Workload, costs: Costs) -> float:
     train = costs.train_s(work.steps_per_update, cand.train) + costs.publish_s + costs.install_s
     if cand.mode == "async":
         b = max(1, min(cand.max_batch, work.num_envs // cand.gen))
-        # Each step waits at least a forward for its actions, so its thread (and, stepping in threads, the
-        # main thread that receives them) wakes from a sleep that long.
-        wakes = 2 if costs.thread_safe else 1
-        means = (costs.step_samples.mean(axis=1)[ids] * C + costs.dispatch_s
-                 + wakes * costs.wake_after_s(costs.forward_s(b)))
+        # Each step waits at least a forward for its actions, so its thread wakes from a sleep that long
+        # (the rank's main thread, shared by its instances, is left to the simulation).
+        means = costs.step_samples.mean(axis=1)[ids] * C + costs.dispatch_s + costs.wake_after_s(costs.forward_s(b))
         sim_cap = cand.sim * (float(np.sum(C / means)) if costs.thread_safe else C * per / float(means.sum()))
         gen_cap = cand.gen * b * C / (costs.forward_s(b) + cand.max_wait_ms / 2000.0)
         return min(sim_cap, gen_cap, work.steps_per_update / train)
@@ -162,9 +160,9 @@ def _pipeline_estimate(cand: Candidate, work: Workload, costs: Costs) -> float:
     step = max(steps) if costs.thread_safe else sum(steps)  # sub-groups side by side, or taking turns
     items = per * max(1, cand.sim // cand.gen) / k
     fwd = k * costs.forward_s(items)
-    # Each round the generator wakes from sleeping through the steps, the stepping thread (and, stepping in
-    # threads, the main thread that receives the actions) from the forwards (pipelined: only through what
-    # the other sub-groups' work does not fill).
+    # Each round the generator wakes from sleeping through the steps, the stepping thread from the forwards
+    # (pipelined: only through what the other sub-groups' work does not fill), and before it the main
+    # thread that receives the actions where that is separate work (stepping in threads, `reply_s`).
     if k == 1:
         cycle, gen_sleep, thread_sleep = step + fwd, step, fwd
     else:
@@ -172,7 +170,7 @@ def _pipeline_estimate(cand: Candidate, work: Workload, costs: Costs) -> float:
         # Side by side each sub-group still waits for its own forward; taking turns on one thread, the
         # others' forwards can hide behind its steps.
         cycle = max(step + fwd / k, fwd) if costs.thread_safe else max(step, fwd)
-    wakes = 2 if costs.thread_safe else 1
+    wakes = 2 if costs.thread_safe and costs.reply_s > 0 else 1
     cycle += 2 * costs.hop_s + costs.wake_after_s(gen_sleep) + wakes * costs.wake_after_s(thread_sleep)
     decisions = work.chunks_per_phase(k)
     swap = costs.swap_s if cand.layout == "collocated" else 0.0

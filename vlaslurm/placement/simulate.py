@@ -14,7 +14,7 @@ from a `Costs`:
 
 Latency beyond the measured work: a hop per message, and a wake-up (`Costs.wake_after_s`,
 measured as round trips after idle gaps) wherever a decision's message finds its receiver
-asleep (the trainer's announcements, one a phase, are not charged):
+asleep (the trainer's messages, its weights and its credit, are not charged):
 a request or its batch timer wakes a generator asleep in its poll (idle, or waiting for
 a batch to fill), a reply the simulator thread that steps its instances, idle since its
 last chunk. Each rank's main thread does its per-message work one message at a time:
@@ -405,9 +405,17 @@ class Pipeline:
         g.queue.append(req)
         self._wake(req.gen)
 
+    def _timer(self, index: int, due: float) -> None:
+        """The oldest request's max_wait is over. The runtime recomputes its poll timeout from the queue
+        every turn, so a timer whose batch has gone meanwhile never fires there."""
+        g = self.gens[index]
+        if g.wake_at == due:
+            g.wake_at = -1.0
+            self._wake(index)
+
     def _wake(self, index: int) -> None:
-        """A request or the batch timer finds the generator: if it sleeps in its poll (idle, or waiting for
-        a batch to fill), it takes the queue (and whatever comes meanwhile) once awake."""
+        """A request or its batch's timer finds the generator: if it sleeps in its poll (idle, or waiting
+        for a batch to fill), it takes the queue (and whatever comes meanwhile) once awake."""
         g = self.gens[index]
         if g.busy:
             return
@@ -429,11 +437,13 @@ class Pipeline:
 
     def serve(self, index: int) -> None:
         g = self.gens[index]
-        if g.busy or self.held(g):
+        if g.busy:
             return
         for q in g.queue:
             if q.arrival < 0:
-                q.arrival = self.now
+                q.arrival = self.now  # received (a holding generator still takes in its requests)
+        if self.held(g):
+            return
         servable = g.queue if not self.lockstep else [q for q in g.queue if q.min_version <= g.version]
         if not servable:
             return
@@ -442,7 +452,7 @@ class Pipeline:
         if items < self.c.max_batch and self.now < due - 1e-12:
             if g.wake_at != due:
                 g.wake_at = due
-                self.at(due, self._wake, index)
+                self.at(due, self._timer, index, due)
             return
         batch, n = [], 0
         for q in servable:
@@ -455,7 +465,7 @@ class Pipeline:
         else:
             for q in batch:
                 g.queue.remove(q)
-        g.busy = True
+        g.busy, g.wake_at = True, -1.0  # a timer set for this batch is void
         duration = self.k.forward_s(n) + self.k.request_s * len(batch) + self.k.batch_s
         if self.k.cpu:
             self.cpu_s["generator"] += (self.k.cpu.forward_s(n) + self.k.cpu.serve_s * len(batch)
@@ -543,8 +553,10 @@ class Pipeline:
         self.at(self.now + duration, self.trained)
 
     def _consumed(self, index: int, consumed: int) -> None:
-        self.gens[index].consumed = max(self.gens[index].consumed, consumed)
-        self.serve(index)
+        g = self.gens[index]
+        g.consumed = max(g.consumed, consumed)
+        if not g.busy:
+            self._free(index)
 
     def trained(self) -> None:
         self.reports.append((self.now, self.received, self.consumed, self.dropped_steps))
