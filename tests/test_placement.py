@@ -428,10 +428,10 @@ def fake_ranked(mode: str, sps: float, batch: int, p99: float, spread: float = 0
 
 
 def test_ties_within_the_model_uncertainty_go_to_the_more_robust_candidate() -> None:
-    # Three async variants within 2% of each other tie on robustness (same Δv, same processes): batching does
-    # not break ties, so the higher prediction comes first; a clearly slower sync stays last.
-    ranked = pm.order([fake_ranked("async", 746, 4, 1), fake_ranked("async", 752, 8, 1),
-                       fake_ranked("async", 759, 16, 1), fake_ranked("sync", 197, 16, 0)])
+    # Three async variants within 2% of each other tie on Δv, processes and wait: the larger max_batch comes
+    # first, though predicted lowest (fewer batches, less per-batch work); a clearly slower sync stays last.
+    ranked = pm.order([fake_ranked("async", 759, 4, 1), fake_ranked("async", 752, 8, 1),
+                       fake_ranked("async", 746, 16, 1), fake_ranked("sync", 197, 16, 0)])
     assert [(r.cand.mode, r.cand.max_batch) for r in ranked] == [("async", 16), ("async", 8), ("async", 4),
                                                                  ("sync", 16)]
     # Within tolerance, fresher data wins; past the tolerance throughput decides.
