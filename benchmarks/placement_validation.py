@@ -3,12 +3,13 @@
 For each synthetic cost mix (simulator-bound, generator-bound, trainer-bound, all
 with long tails): profile the spec with the real profiling job (submitit's local
 executor), rank every placement the model allows on `--units` units, run the top
-candidates (and the best of each other mode) for real with `run_local`, and compare
+candidates (and the best of each other mode) for real with `run_local`, each `--repeats`
+times round robin (one run's throughput varies by several percent here), and compare
 predicted with measured throughput (steady state: env steps per second between the
 trainer's progress reports, the first quarter left out, as the model measures).
 Then the same for the quickstart (toy env + openvla-oft + PPO), its own placement only.
 
-    python benchmarks/placement_validation.py                 # all mixes + quickstart (~10 min on 2 cores)
+    python benchmarks/placement_validation.py                 # all mixes + quickstart (~25 min on 2 cores)
     python benchmarks/placement_validation.py --mixes sim --no-quickstart
     python benchmarks/placement_validation.py --quick         # smoke: the choice only, short runs (~5 min)
 
@@ -105,26 +106,39 @@ def pick(ranked: List[Ranked], top: int) -> List[Ranked]:
     return chosen
 
 
+def median_run(runs: List[Dict]) -> Dict:
+    """The run with the median throughput (the lower middle one of an even count), with every run's SPS."""
+    ok = sorted((r for r in runs if "sps" in r), key=lambda r: r["sps"])
+    middle = dict(ok[(len(ok) - 1) // 2]) if ok else dict(runs[0])
+    middle["runs_sps"] = [r.get("sps", float("nan")) for r in runs]
+    middle["runs_used_sps"] = [r.get("used_sps", float("nan")) for r in runs]
+    return middle
+
+
 def validate_mix(name: str, units: int, top: int, runs_root: Path, workdir: Path, max_steps: int = 20000,
-                 every_mode: bool = True) -> Dict:
+                 every_mode: bool = True, repeats: int = 1) -> Dict:
     path = workdir / f"pv-{name}.yaml"
     path.write_text(yaml.safe_dump(merge(merge(BASE, MIXES[name]), {"name": f"pv-{name}"})))
     loaded = load_spec(path)
     costs, source = costs_for(loaded, runs_root, local=True)
     ranked = rank(loaded.spec, costs, units)
     best = choose(ranked)
+    picked = pick(ranked, top) if every_mode else ranked[:top]
+    runs: List[List[Dict]] = [[] for _ in picked]
+    for _ in range(repeats):  # round robin: a change in the machine's load falls on every candidate alike
+        for r, done in zip(picked, runs):
+            steps = int(min(max_steps, max(min(2500, max_steps), r.pred.sps * 18)))
+            done.append(measure(path, apply(loaded, r), runs_root, steps, timeout_s=240))
     rows = []
-    for r in pick(ranked, top) if every_mode else ranked[:top]:
-        overrides = apply(loaded, r)
-        steps = int(min(max_steps, max(min(2500, max_steps), r.pred.sps * 18)))
-        got = measure(path, overrides, runs_root, steps, timeout_s=240)
+    for r, done in zip(picked, runs):
+        got = median_run(done)
         rows.append({"candidate": r.cand.label(), "chosen": r is best, "predicted_sps": r.pred.sps,
                      "predicted_used_sps": r.pred.used_sps, "predicted_util": r.pred.util,
                      "predicted_cpu_cores": r.pred.cpu, "predicted_cpu_bound": r.pred.cpu_bound,
                      "predicted_spread": r.pred.spread, "predicted_lag_p99": r.pred.lag["p99"], "measured": got})
         err = got.get("sps", float("nan")) / r.pred.sps - 1
         print(f"[{name}] {r.cand.label():<42} predicted {r.pred.sps:7.1f}  measured {got.get('sps', float('nan')):7.1f}"
-              f"  ({err:+.1%}, load {got['load_average']:.1f})", flush=True)
+              f"  ({err:+.1%}; runs {runs_cell(got)})", flush=True)
     measured_best = max(x["measured"].get("used_sps", 0.0) for x in rows)
     chosen = next(x for x in rows if x["chosen"])
     return {"mix": name, "config": MIXES[name], "units": units, "source": source, "rows": rows,
@@ -155,6 +169,11 @@ def validate_quickstart(runs_root: Path, steps: int) -> Dict:
             "predicted_lag_p99": pred.lag["p99"], "measured": got}
 
 
+def runs_cell(measured: Dict) -> str:
+    """Every run's SPS, lowest to highest."""
+    return ", ".join(f"{v:.0f}" for v in sorted(measured.get("runs_sps", [measured.get("sps", float("nan"))])))
+
+
 def cpu_cell(row: Dict) -> str:
     cores = row.get("predicted_cpu_cores") or {}
     if not cores:
@@ -166,12 +185,13 @@ def write_markdown(result: Dict) -> str:
     lines = ["# Placement model: predicted vs measured", "",
              f"Machine: {result['machine']}; {result['date']}. Each synthetic mix is profiled by the real "
              "profiling job (submitit local executor), ranked on "
-             f"{result['units']} units (ranks), and its top candidates run for real with `run_local`. Throughput is "
-             "steady-state env steps/s (the trainer's reports, first quarter left out).", ""]
+             f"{result['units']} units (ranks), and its top candidates run for real with `run_local`, "
+             f"{result.get('repeats', 1)} times each, round robin. Throughput is steady-state env steps/s (the "
+             "trainer's reports, first quarter left out); measured values are the run with the median SPS.", ""]
     for mix in result["mixes"]:
         lines += [f"## {mix['mix']}-bound: {json.dumps(mix['config'])}", "",
                   "| candidate | chosen | predicted SPS | measured SPS | error | predicted used SPS "
-                  "| measured used SPS | error | predicted CPU cores (bound SPS) | load avg |",
+                  "| measured used SPS | error | predicted CPU cores (bound SPS) | every run's SPS |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for row in mix["rows"]:
             m = row["measured"]
@@ -179,7 +199,7 @@ def write_markdown(result: Dict) -> str:
             lines.append(f"| {row['candidate']} | {'**yes**' if row['chosen'] else ''} | {row['predicted_sps']:.0f} | "
                          f"{m.get('sps', float('nan')):.0f} | {err:+.1%} | {row['predicted_used_sps']:.0f} | "
                          f"{m.get('used_sps', float('nan')):.0f} | {used_error(row):+.1%} | "
-                         f"{cpu_cell(row)} | {m['load_average']:.1f} |")
+                         f"{cpu_cell(row)} | {runs_cell(m)} |")
         lines += ["", f"Chosen `{mix['chosen']}`: measured {mix['chosen_over_best_measured']:.2f} of the best measured "
                       f"used SPS (target >= 0.95); largest prediction error {mix['max_abs_error']:.1%} on SPS, "
                       f"{mix['max_abs_used_error']:.1%} on used SPS (target <= 10%).", ""]
@@ -201,6 +221,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=3)
     parser.add_argument("--no-quickstart", action="store_true")
     parser.add_argument("--quickstart-steps", type=int, default=30000)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each candidate (the median counts)")
     parser.add_argument("--runs-root", default=None)
     parser.add_argument("--out", default=None, help="folder for placement_validation.{md,json} "
                                                     "(default benchmarks/results; with --quick the runs root)")
@@ -211,12 +232,13 @@ def main() -> None:
     workdir = runs_root / "specs"
     workdir.mkdir(parents=True, exist_ok=True)
     result = {"machine": f"{os.cpu_count()} CPUs, load average at start {os.getloadavg()[0]:.1f}",
-              "date": time.strftime("%Y-%m-%d %H:%M"), "units": args.units, "quick": args.quick, "mixes": []}
+              "date": time.strftime("%Y-%m-%d %H:%M"), "units": args.units, "quick": args.quick,
+              "repeats": 1 if args.quick else args.repeats, "mixes": []}
     for name in args.mixes:
         if args.quick:
             result["mixes"].append(validate_mix(name, args.units, 1, runs_root, workdir, 1500, every_mode=False))
         else:
-            result["mixes"].append(validate_mix(name, args.units, args.top, runs_root, workdir))
+            result["mixes"].append(validate_mix(name, args.units, args.top, runs_root, workdir, repeats=args.repeats))
     if not args.no_quickstart and not args.quick:
         result["quickstart"] = validate_quickstart(runs_root, args.quickstart_steps)
     out = Path(args.out) if args.out else (runs_root if args.quick else RESULTS)
