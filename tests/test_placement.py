@@ -536,3 +536,42 @@ def test_profile_wall_times_leave_out_waiting_for_a_cpu_that_other_work_held(mon
     assert prof._since((10.0, 1.0, 0.5)) == pytest.approx((0.1, 0.1, 0.2))
     monkeypatch.undo()
     assert prof._runqueue_wait() >= 0.0  # readable here (Linux); 0 where schedstat is missing
+
+
+AUTO_SPEC = {
+    "name": "auto-e2e",
+    "env": {"type": "synthetic", "num_envs": 8}, "model": {"type": "synthetic"},
+    "algo": {"type": "synthetic", "steps_per_update": 64},
+    "rollout": {"mode": "sync", "total_env_steps": 640},
+    "resources": {"placement": "auto", "auto": {"modes": ["sync", "async"]}},
+    "slurm": {"partition": "cpu", "time": "00:05:00"},
+    "runtime": {"first_meeting_timeout_s": 60},
+}
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_submit_with_auto_placement_profiles_on_the_cluster_and_runs_the_choice(local_slurm, tmp_path: Path) -> None:
+    # `submit` on a `placement: auto` spec: the profiling job goes through submitit's Slurm executor to the
+    # run's partition, the model chooses, and the hetjob runs the choice to completion.
+    from slurm_helpers import submit, wait_done
+
+    from vlaslurm.placement.commands import auto_overrides
+
+    path = tmp_path / "auto.yaml"
+    path.write_text(yaml.safe_dump(AUTO_SPEC))
+    root = tmp_path / "runs"
+    job = submit(root, str(path))
+    assert wait_done(job) == 0
+    profiles = list((root / ".profiles").glob("*.json"))
+    assert len(profiles) == 1
+    prof = json.loads(profiles[0].read_text())
+    assert prof["local"] is False and set(prof["partitions"].values()) == {"cpu"}
+    jobs = sorted((root / ".profiles" / "jobs").rglob("*_submitted.pkl"))
+    # Choosing again reads the cached profile (no second job) and gives what the run was given.
+    again = load_spec(path, auto_overrides(load_spec(path, site="local"), root), site="local").spec
+    assert sorted((root / ".profiles" / "jobs").rglob("*_submitted.pkl")) == jobs
+    ran = load_spec(job.run_dir / "spec.yaml", site="local").spec
+    assert ran.resources.placement == again.resources.placement == "manual"
+    assert (ran.rollout.mode, ran.rollout.batching, ran.rollout.pipeline_depth) == \
+           (again.rollout.mode, again.rollout.batching, again.rollout.pipeline_depth)
