@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from vlaslurm.placement.costs import Costs, from_profile, from_synthetic
-from vlaslurm.placement.model import TOLERANCE, Ranked, apply, choose, default_units, rank, scaled_workload
+from vlaslurm.placement.model import ROBUSTNESS, TOLERANCE, Ranked, apply, choose, default_units, rank, scaled_workload
 from vlaslurm.placement.profile import cached_profile, profile
 
 
@@ -65,7 +65,7 @@ def print_ranking(console, ranked: Sequence[Ranked], source: str, note: str, uni
                       f"{p.lag['p99']:g}", f"{p.dropped:.1%}")
     console.print(table)
     console.print(f"Within {TOLERANCE:.0%} of the best (or twice the simulation's standard error), candidates are "
-                  "ordered by lower Δv p99, then fewer processes, shorter max_wait, then the prediction. "
+                  f"ordered by {', then '.join(name for name, _ in ROBUSTNESS)}, then the prediction. "
                   "CPU cores: what the roles keep busy; * where the shared cores bound the throughput.")
     if note:
         console.print(note)

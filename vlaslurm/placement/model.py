@@ -247,8 +247,11 @@ def order(ranked: List[Ranked]) -> List[Ranked]:
 # made one role at a time, measured). In five validation runs the smaller max_batch of a tie measured from
 # 4.7% slower to 3.4% faster than 16 (0.6% slower on average); preferring the larger kept every choice
 # within 0.97 of the best measured, the higher prediction alone once chose 0.95.
-ROBUSTNESS = (lambda r: r.pred.lag["p99"], lambda r: r.cand.sim + r.cand.gen + r.cand.train,
-              lambda r: r.cand.max_wait_ms, lambda r: -r.cand.max_batch)
+# Each criterion: what `plan` calls it, and the key whose least value is most robust.
+ROBUSTNESS = (("lower Δv p99", lambda r: r.pred.lag["p99"]),
+              ("fewer processes", lambda r: r.cand.sim + r.cand.gen + r.cand.train),
+              ("shorter max_wait", lambda r: r.cand.max_wait_ms),
+              ("larger max_batch", lambda r: -r.cand.max_batch))
 
 
 def most_robust(ranked: Sequence[Ranked]) -> Ranked:
@@ -257,7 +260,7 @@ def most_robust(ranked: Sequence[Ranked]) -> Ranked:
     and, of them, those best on the criterion; then the highest prediction. So throughput decides
     wherever the model can tell candidates apart, robustness where it cannot."""
     pool = list(ranked)
-    for criterion in ROBUSTNESS:
+    for _, criterion in ROBUSTNESS:
         top = max(pool, key=lambda r: r.score)
         tol = max(TOLERANCE, 2 * top.pred.spread)
         pool = [r for r in pool if r.score >= top.score * (1 - tol)]

@@ -398,11 +398,10 @@ class Pipeline:
 
     # ------------------------------------------------------------------ generator
     def arrive(self, req: _Req) -> None:
-        # The generator stamps a request when it drains its socket, so one that comes
-        # during a forward starts its max_wait clock only when the forward ends.
-        g = self.gens[req.gen]
-        req.arrival = -1.0 if g.busy else self.now
-        g.queue.append(req)
+        # The generator stamps a request when it drains its socket (`serve`), so one that comes
+        # during a forward or a wake-up starts its max_wait clock only when that ends.
+        req.arrival = -1.0
+        self.gens[req.gen].queue.append(req)
         self._wake(req.gen)
 
     def _timer(self, index: int, due: float) -> None:
@@ -421,9 +420,6 @@ class Pipeline:
             return
         wake = self.k.wake_after_s(self.now - g.idle_since)
         if wake > 0:
-            for q in g.queue:
-                if q.arrival == self.now:
-                    q.arrival = -1.0  # stamped when drained, after the wake-up
             g.busy = True
             self.at(self.now + wake, self._after_work, index)
             return
