@@ -1,0 +1,1 @@
+"""Prismatic / OpenVLA release-compatible modules: vision towers, projector, actions, preprocessing."""
