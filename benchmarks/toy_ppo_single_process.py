@@ -17,12 +17,14 @@ Truncated episodes bootstrap from the value of their final observation.
 
 Measured here (2 shared cores, load ~10; default settings): seed 1 reached 80% rolling success at
 54k env steps and 99% at 95k; seed 2 without the KL early stop (`--target-kl 0`, as the runtime's
-PPOLearner) 50% at 53k, 80% at 72k, 97.7% deterministic evaluation at 77k. With lr 1e-3 (the earlier default) the same seed stayed at
-12-15% through 65k env steps: the first update moved the policy by approx_kl 0.35 (clipfrac 0.6).
-Uses vlaslurm.algos (compute_gae, chunk_rewards, ppo_policy_loss, value_loss). Success rates are over the most recent 256
-finished training episodes (stochastic policy); the final evaluation runs the
+PPOLearner) 50% at 53k, 80% at 72k, 97.7% deterministic evaluation at 77k. With lr 1e-3 (the earlier
+default) the same seed stayed at 12-15% through 65k env steps: the first update moved the policy by
+approx_kl 0.35 (clipfrac 0.6).
+Uses vlaslurm.algos (compute_gae, chunk_rewards, ppo_policy_loss, value_loss). Success rates are over
+the most recent 256 finished training episodes (stochastic policy); the final evaluation runs the
 deterministic policy (the mean) on 512 fresh seeded episodes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -117,11 +119,16 @@ def main(args: Args) -> dict:
     env_cfg = ToyEnvConfig(type="toy", reward=args.reward, num_objects=args.num_objects)
     env = make_env(env_cfg, num_envs=args.num_envs, rank=0, seed=args.seed)
     model_cfg = OpenVLAOFTConfig(
-        type="openvla-oft", action_chunk=args.chunk, std=args.std, init_std=args.init_std,
-        final_std=args.final_std, init_seed=args.seed,
+        type="openvla-oft",
+        action_chunk=args.chunk,
+        std=args.std,
+        init_std=args.init_std,
+        final_std=args.final_std,
+        init_seed=args.seed,
     )
-    policy = build_policy(model_cfg, action_dim=env.action_dim, state_dim=env.state_dim,
-                          image_size=env_cfg.obs.image_size, num_cameras=1)
+    policy = build_policy(
+        model_cfg, action_dim=env.action_dim, state_dim=env.state_dim, image_size=env_cfg.obs.image_size, num_cameras=1
+    )
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr, eps=1e-5)
     print(f"policy parameters: {sum(p.numel() for p in policy.parameters()):,}")
 
@@ -195,8 +202,9 @@ def main(args: Args) -> dict:
 
         # --- advantages -------------------------------------------------------------------
         chunk_reward, discount = chunk_rewards(rewards, valid, args.gamma)
-        advantages, returns = compute_gae(chunk_reward, values, next_values, terminated, truncated,
-                                          discount, args.gae_lambda)
+        advantages, returns = compute_gae(
+            chunk_reward, values, next_values, terminated, truncated, discount, args.gae_lambda
+        )
 
         # --- PPO update -------------------------------------------------------------------
         flat = lambda x: x.reshape(T * N, *x.shape[2:])  # noqa: E731
@@ -208,17 +216,23 @@ def main(args: Args) -> dict:
         for _ in range(args.epochs):
             order = torch.randperm(T * N)
             for s in range(0, T * N, mb_size):
-                mb = order[s:s + mb_size]
+                mb = order[s : s + mb_size]
                 mbn = mb.numpy()
                 ev = policy.evaluate(policy_input(b_images[mbn], b_states[mbn], b_instr[mbn]), b_actions[mb])
                 adv = b_adv[mb]
                 adv = (adv - adv.mean()) / (adv.std() + 1e-8)
                 if args.ratio_level == "chunk":  # one ratio per chunk: executed actions' log-probs summed
-                    pg_loss, pg_stats = ppo_policy_loss((ev.logprob * b_valid[mb]).sum(-1),
-                                                        (b_logprob[mb] * b_valid[mb]).sum(-1), adv, args.clip, args.clip)
+                    pg_loss, pg_stats = ppo_policy_loss(
+                        (ev.logprob * b_valid[mb]).sum(-1),
+                        (b_logprob[mb] * b_valid[mb]).sum(-1),
+                        adv,
+                        args.clip,
+                        args.clip,
+                    )
                 else:  # one ratio per executed action, each with its chunk's advantage
-                    pg_loss, pg_stats = ppo_policy_loss(ev.logprob, b_logprob[mb], expand_chunk(adv, C),
-                                                        args.clip, args.clip, mask=b_valid[mb])
+                    pg_loss, pg_stats = ppo_policy_loss(
+                        ev.logprob, b_logprob[mb], expand_chunk(adv, C), args.clip, args.clip, mask=b_valid[mb]
+                    )
                 v_loss = value_loss(ev.value, b_ret[mb])
                 entropy = ev.entropy.mean()
                 loss = pg_loss + args.value_coef * v_loss - args.entropy_coef * entropy
@@ -230,7 +244,7 @@ def main(args: Args) -> dict:
                     stats[key].append(val.item())
                 stats["losses/value_loss"].append(v_loss.item())
                 stats["losses/entropy"].append(entropy.item())
-            if args.target_kl and np.mean(stats["losses/approx_kl"][-args.minibatches:]) > args.target_kl:
+            if args.target_kl and np.mean(stats["losses/approx_kl"][-args.minibatches :]) > args.target_kl:
                 break
 
         # --- log --------------------------------------------------------------------------

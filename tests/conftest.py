@@ -5,6 +5,7 @@ GPUs x 32 CPUs on this host). Without Slurm's binaries they are skipped, unless
 VLASLURM_REQUIRE_SLURM=1 (set by .ci/test) makes that a failure. Run only the fast tests
 with `pytest -m "not slurm"`.
 """
+
 from __future__ import annotations
 
 import os
@@ -48,11 +49,13 @@ def local_slurm() -> Iterator[lc.ClusterInfo]:
         lc.stop()
 
 
-def vlaslurm(*args: str, runs_root: Optional[Path] = None, timeout: float = 120,
-             env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+def vlaslurm(
+    *args: str, runs_root: Optional[Path] = None, timeout: float = 120, env: Optional[Dict[str, str]] = None
+) -> subprocess.CompletedProcess:
     """Run the `vlaslurm` command line in a subprocess, as a user would (from the repository root)."""
     cmd = [sys.executable, "-m", "vlaslurm.cli"]
     if runs_root is not None:
         cmd += ["--runs-root", str(runs_root)]
-    return subprocess.run(cmd + list(args), cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        cmd + list(args), cwd=REPO, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )

@@ -4,6 +4,7 @@ No mocks: `run_chunk` and `EnvTrack` are the simulator's own pieces, so the segm
 look exactly like those the trainer receives (episodes in pieces, partial chunks at
 an episode's end, a version change cutting a segment mid-episode).
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -26,8 +27,15 @@ def tiny_policy(seed: int = 0):
     return build_policy(cfg, action_dim=2, state_dim=2, image_size=32, num_cameras=1)
 
 
-def rollout_segments(policy, num_envs: int = 8, chunks: int = 10, group_size: int = 1, seed: int = 0,
-                     version_every: int = 0, max_len: int = 64) -> List[Segment]:
+def rollout_segments(
+    policy,
+    num_envs: int = 8,
+    chunks: int = 10,
+    group_size: int = 1,
+    seed: int = 0,
+    version_every: int = 0,
+    max_len: int = 64,
+) -> List[Segment]:
     """`chunks` decision steps of every env; groups of `group_size` envs reset from one seed per episode
     (as the simulator does for GRPO). With `version_every`, the behaviour version goes up every that many
     chunks, which cuts segments mid-episode. Open segments are cut at the end (bootstrapped)."""
@@ -46,16 +54,29 @@ def rollout_segments(policy, num_envs: int = 8, chunks: int = 10, group_size: in
     for step in range(chunks):
         version = step // version_every if version_every else 0
         obs = stack_obs([t.obs for t in tracks])
-        inp = PolicyInput(torch.from_numpy(obs.images), torch.from_numpy(obs.state), obs.instructions,
-                          torch.randint(0, 2**31, (num_envs,), generator=gen))
+        inp = PolicyInput(
+            torch.from_numpy(obs.images),
+            torch.from_numpy(obs.state),
+            obs.instructions,
+            torch.randint(0, 2**31, (num_envs,), generator=gen),
+        )
         out = policy.act(inp)
         ids = np.arange(num_envs)
         res = run_chunk(env, ids, out.actions.numpy())
         finished = []
         for i in ids:
-            segments += tracks[i].record(version, out.actions[i].numpy(), out.logprob[i].numpy(),
-                                         float(out.value[i]), res.rewards[i], res.mask[i], res.last_obs[i],
-                                         bool(res.terminated[i]), bool(res.truncated[i]), bool(res.success[i]))
+            segments += tracks[i].record(
+                version,
+                out.actions[i].numpy(),
+                out.logprob[i].numpy(),
+                float(out.value[i]),
+                res.rewards[i],
+                res.mask[i],
+                res.last_obs[i],
+                bool(res.terminated[i]),
+                bool(res.truncated[i]),
+                bool(res.success[i]),
+            )
             if res.terminated[i] or res.truncated[i]:
                 finished.append(int(i))
         if finished:

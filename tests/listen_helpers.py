@@ -1,4 +1,5 @@
 """What a process really listens on, read from /proc (not from what the code says it bound)."""
+
 from __future__ import annotations
 
 import ipaddress
@@ -32,7 +33,7 @@ def _decode(local: str, family: int) -> tuple[str, int]:
     hex_ip, hex_port = local.split(":")
     raw = bytes.fromhex(hex_ip)
     # /proc prints each 32-bit word in host (little-endian) order
-    packed = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    packed = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return str(ipaddress.ip_address(socket.inet_ntop(family, packed))), int(hex_port, 16)
 
 

@@ -1,4 +1,5 @@
 """Run a function in several real processes (one per rank) and collect what each returned."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -9,8 +10,12 @@ from typing import Any, Callable, Sequence
 import pytest
 
 
-def run_ranks(target: Callable[..., Any], args: list[tuple], preload: Sequence[str] = ("torch", "torch.distributed"),
-              timeout_s: float = 60) -> list[Any]:
+def run_ranks(
+    target: Callable[..., Any],
+    args: list[tuple],
+    preload: Sequence[str] = ("torch", "torch.distributed"),
+    timeout_s: float = 60,
+) -> list[Any]:
     """Run target(*args[i]) in one process per entry; return their results or fail naming who did not finish.
 
     `preload`: modules the forkserver imports once, so each rank does not pay for torch again.

@@ -4,6 +4,7 @@ A run is the real thing: `run_local` starts every rank as its own process, as
 `vlaslurm run` does. The synthetic workload sleeps instead of computing, so the
 scheduling claims can be checked on two cores.
 """
+
 from __future__ import annotations
 
 import glob
@@ -17,26 +18,42 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import pandas as pd
 import yaml
 
-from vlaslurm.runtime.ledger import read_ledger
+from vlaslurm.rundir import read_events, read_ledger
 from vlaslurm.runtime.local import run_local
-from vlaslurm.runtime.records import read_events
 from vlaslurm.spec import load_spec
 
 RANKS_2 = "runtime.local_ranks={simulator: 2, generator: 2, trainer: 2}"
 
 
-def synthetic_spec(mode: str = "sync", num_envs: int = 8, step_ms: float = 5.0, episode_steps: int = 10,
-                   action_chunk: int = 2, steps_per_update: int = 64, update_ms: float = 10.0,
-                   total_env_steps: int = 480, **rollout) -> dict:
+def synthetic_spec(
+    mode: str = "sync",
+    num_envs: int = 8,
+    step_ms: float = 5.0,
+    episode_steps: int = 10,
+    action_chunk: int = 2,
+    steps_per_update: int = 64,
+    update_ms: float = 10.0,
+    total_env_steps: int = 480,
+    **rollout,
+) -> dict:
     """A small synthetic experiment; `rollout` entries override the rollout section."""
     return {
         "name": "rt",
-        "env": {"type": "synthetic", "num_envs": num_envs, "step_ms": {"dist": "constant", "mean": step_ms},
-                "episode_steps": episode_steps},
+        "env": {
+            "type": "synthetic",
+            "num_envs": num_envs,
+            "step_ms": {"dist": "constant", "mean": step_ms},
+            "episode_steps": episode_steps,
+        },
         "model": {"type": "synthetic", "action_chunk": action_chunk, "forward_ms": {"base": 1.0, "per_item": 0.1}},
         "algo": {"type": "synthetic", "steps_per_update": steps_per_update, "update_ms": update_ms},
-        "rollout": {"mode": mode, "total_env_steps": total_env_steps, "weight_sync": "nccl",
-                    "batching": {"max_batch": 64, "max_wait_ms": 2}, **rollout},
+        "rollout": {
+            "mode": mode,
+            "total_env_steps": total_env_steps,
+            "weight_sync": "nccl",
+            "batching": {"max_batch": 64, "max_wait_ms": 2},
+            **rollout,
+        },
         "runtime": {"first_meeting_timeout_s": 60, "timeout_s": 20},
     }
 
@@ -56,7 +73,8 @@ class Run:
         return [e for e in read_events(self.run_dir) if e["ev"] == kind and (role is None or e["role"] == role)]
 
     def counters(self, role: str) -> List[dict]:
-        return [json.loads(Path(p).read_text()) for p in sorted(glob.glob(str(self.run_dir / "counters" / f"{role}-*.json")))]
+        paths = sorted(glob.glob(str(self.run_dir / "counters" / f"{role}-*.json")))
+        return [json.loads(Path(p).read_text()) for p in paths]
 
     def exits(self) -> Dict[str, dict]:
         lines = (self.run_dir / "exit_record.jsonl").read_text().splitlines()
@@ -66,8 +84,9 @@ class Run:
         return (self.run_dir / "logs" / role / f"{rank}.log").read_text(errors="replace")
 
 
-def run_spec(tmp_path: Path, spec: dict, overrides: Sequence[str] = (), name: str = "run",
-             timeout_s: float = 90) -> Run:
+def run_spec(
+    tmp_path: Path, spec: dict, overrides: Sequence[str] = (), name: str = "run", timeout_s: float = 90
+) -> Run:
     """Write `spec` under `tmp_path` and run it locally to the end."""
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))

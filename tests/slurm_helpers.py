@@ -1,4 +1,5 @@
 """Submitting real jobs to the local Slurm cluster from tests, and waiting for them with a deadline."""
+
 from __future__ import annotations
 
 import re
@@ -7,10 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from conftest import vlaslurm
-from vlaslurm.runtime.rundir import list_runs
-from vlaslurm.slurm.submit import job_outcome, job_states
+
+from vlaslurm.rundir import job_outcome, list_runs
+from vlaslurm.slurm.submit import job_states
 
 DEADLINE_S = 90.0  # per job, from submission (jobs may queue behind each other on 4 nodes)
 

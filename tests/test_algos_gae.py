@@ -1,4 +1,5 @@
 """GAE against plain Python loops, including partial resets and action chunks."""
+
 import math
 import random
 
@@ -57,8 +58,13 @@ def test_gae_matches_reference_random(seed):
     adv, ret = compute_gae(rewards, values, next_values, terminated, truncated, gamma, lam)
     for n in range(N):
         ref_adv, ref_ret = ref_gae(
-            column(rewards, n), column(values, n), column(next_values, n),
-            column(terminated, n), column(truncated, n), [gamma] * T, lam,
+            column(rewards, n),
+            column(values, n),
+            column(next_values, n),
+            column(terminated, n),
+            column(truncated, n),
+            [gamma] * T,
+            lam,
         )
         assert adv[:, n].tolist() == pytest.approx(ref_adv, abs=1e-10)
         assert ret[:, n].tolist() == pytest.approx(ref_ret, abs=1e-10)
@@ -143,8 +149,16 @@ def test_chunk_gae_lam_one_equals_per_action_monte_carlo(seed):
             valid = [k for k in range(C) if mask[t, n, k]]
             for k in valid:
                 last = k == valid[-1]
-                steps.append((t, float(rewards[t, n, k]), last, bool(terminated[t, n]) and last,
-                              bool(truncated[t, n]) and last, float(final_values[t, n])))
+                steps.append(
+                    (
+                        t,
+                        float(rewards[t, n, k]),
+                        last,
+                        bool(terminated[t, n]) and last,
+                        bool(truncated[t, n]) and last,
+                        float(final_values[t, n]),
+                    )
+                )
         running, expected = 0.0, {}
         for t, r, last, term, trunc, v_final in reversed(steps):
             if term:

@@ -1,4 +1,5 @@
 """GRPO advantages, filters and loss against plain Python loops."""
+
 import math
 import random
 

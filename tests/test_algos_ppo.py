@@ -1,4 +1,5 @@
 """PPO losses and off-policy corrections against plain Python loops."""
+
 import math
 import random
 
@@ -164,9 +165,7 @@ def test_decoupled_reference(seed):
     weight = [min(math.exp(p - b), cap) for p, b in zip(prox, behav)]
     ref_loss, ref_grad, ref_kl, ref_clipfrac = ref_ppo(new, prox, adv, mask, 0.2, 0.2, weight)
     new_t = t64(new).requires_grad_()
-    loss, stats = policy_loss(
-        new_t, t64(prox), t64(behav), t64(adv), 0.2, 0.2, "decoupled", cap, torch.tensor(mask)
-    )
+    loss, stats = policy_loss(new_t, t64(prox), t64(behav), t64(adv), 0.2, 0.2, "decoupled", cap, torch.tensor(mask))
     loss.backward()
     assert loss.item() == pytest.approx(ref_loss)
     assert new_t.grad.tolist() == pytest.approx(ref_grad, abs=1e-12)
@@ -191,9 +190,7 @@ def test_tis_reference(seed):
         ref_grad.append(-w * a / n_valid if m else 0.0)  # d/dnew of -w*A*log pi, w held fixed
     new_t = t64(new).requires_grad_()
     prox = torch.full((30,), float("nan"), dtype=torch.float64)  # tis never reads it
-    loss, stats = policy_loss(
-        new_t, prox, t64(behav), t64(adv), 0.2, 0.2, "tis", cap, torch.tensor(mask)
-    )
+    loss, stats = policy_loss(new_t, prox, t64(behav), t64(adv), 0.2, 0.2, "tis", cap, torch.tensor(mask))
     loss.backward()
     assert loss.item() == pytest.approx(ref_loss)
     assert new_t.grad.tolist() == pytest.approx(ref_grad, abs=1e-12)

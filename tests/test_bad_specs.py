@@ -5,6 +5,7 @@ Each file's first line says what the error must name: `# expect: <dotted key> at
 with code 2 and one line `error: <file>:<line>: <key>: ...`, no traceback, and leave the runs root
 exactly as it was (nothing submitted, created or overwritten).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -14,7 +15,6 @@ from pathlib import Path
 from typing import Dict
 
 import pytest
-
 from conftest import REPO, vlaslurm
 
 CORPUS = sorted((REPO / "tests" / "bad_specs").glob("*.yaml"))
@@ -23,8 +23,11 @@ _EXPECT = re.compile(r"^# expect: (?P<key>\S+) at line (?P<line>\d+)(?: \((?P<hi
 
 def snapshot(root: Path) -> Dict[str, str]:
     """Every file under `root` with a hash of its content."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture
@@ -81,9 +84,11 @@ def test_setup_lines_are_shell_and_never_interpolated(tmp_path: Path) -> None:
     """`${...}` in slurm.setup is the batch shell's business (e.g. ${SCRATCH:-/tmp}); the spec loader
     must pass it through literally, not resolve it (OmegaConf would) or fail on it."""
     spec = tmp_path / "setup.yaml"
-    spec.write_text("name: setup\nenv: {type: synthetic, num_envs: 8}\nmodel: {type: synthetic}\n"
-                    "algo: {type: synthetic}\nslurm:\n  setup:\n"
-                    "    - 'export DATA=${SCRATCH:-/tmp}/data'\n    - 'echo ${oc.env:HOME} $(hostname)'\n")
+    spec.write_text(
+        "name: setup\nenv: {type: synthetic, num_envs: 8}\nmodel: {type: synthetic}\n"
+        "algo: {type: synthetic}\nslurm:\n  setup:\n"
+        "    - 'export DATA=${SCRATCH:-/tmp}/data'\n    - 'echo ${oc.env:HOME} $(hostname)'\n"
+    )
     proc = vlaslurm("plan", str(spec), runs_root=tmp_path / "runs")
     assert proc.returncode == 0, proc.stderr
     assert "\nexport DATA=${SCRATCH:-/tmp}/data\n" in proc.stdout

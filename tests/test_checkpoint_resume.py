@@ -6,6 +6,7 @@ version, env id), so the only state that crosses a phase boundary is what the ch
 parameters, optimizer, version, RNG and counters. Equal parameter checksums then mean that no
 optimizer step was lost or repeated.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,10 @@ from pathlib import Path
 
 from conftest import vlaslurm
 from runtime_helpers import Run, member_pid, run_spec, wait_for
+
+from vlaslurm.rundir import read_info
 from vlaslurm.runtime import checkpoint as ckpt
 from vlaslurm.runtime.local import resume_local
-from vlaslurm.runtime.rundir import read_info
 from vlaslurm.runtime.signals import REQUEUE_EXIT
 
 RANKS = "runtime.local_ranks={simulator: 1, generator: 1, trainer: 1}"
@@ -29,12 +31,27 @@ def toy_ppo_spec(versions: int = 6) -> dict:
     return {
         "name": "resume",
         "env": {"type": "toy", "num_envs": 4, "max_episode_steps": 6, "obs": {"image_size": 16, "cameras": ["top"]}},
-        "model": {"type": "openvla-oft", "action_chunk": 2, "action_dim": 2,
-                  "backbone": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64,
-                               "vision_channels": 8, "num_keypoints": 4}},
+        "model": {
+            "type": "openvla-oft",
+            "action_chunk": 2,
+            "action_dim": 2,
+            "backbone": {
+                "hidden_size": 32,
+                "num_layers": 1,
+                "num_heads": 2,
+                "intermediate_size": 64,
+                "vision_channels": 8,
+                "num_keypoints": 4,
+            },
+        },
         "algo": {"type": "ppo", "lr": 1.0e-3, "steps_per_update": 32, "epochs": 1, "minibatches": 2},
-        "rollout": {"mode": "sync", "total_env_steps": 32 * versions, "weight_sync": "filesystem", "seed": 3,
-                    "batching": {"max_batch": 64, "max_wait_ms": 2}},
+        "rollout": {
+            "mode": "sync",
+            "total_env_steps": 32 * versions,
+            "weight_sync": "filesystem",
+            "seed": 3,
+            "batching": {"max_batch": 64, "max_wait_ms": 2},
+        },
         "checkpoint": {"every_versions": 2, "keep": 2},
         "runtime": {"first_meeting_timeout_s": 60, "timeout_s": 20},
     }
@@ -84,7 +101,9 @@ def test_interrupted_sync_ppo_run_resumes_to_the_same_parameters(tmp_path: Path)
     assert f"resumed from checkpoint {saved}" in log and log.count("==== trainer[0]") == 2  # appended, with headers
     # The resumed ledger continues the old one: every version consumed once, the same trajectories.
     cols = ["traj_id", "behavior_version", "consumed_version", "steps", "digest"]
-    assert sorted(map(tuple, cut.ledger[cols].values.tolist())) == sorted(map(tuple, whole.ledger[cols].values.tolist()))
+    assert sorted(map(tuple, cut.ledger[cols].values.tolist())) == sorted(
+        map(tuple, whole.ledger[cols].values.tolist())
+    )
     updates = [e["v"] for e in cut.events("update", "trainer")]
     assert sorted(set(updates)) == list(range(6))
     assert len(list((cut.run_dir / "checkpoints").glob("v*"))) <= 2  # checkpoint.keep
@@ -119,7 +138,8 @@ def test_killed_trainer_stops_the_run_quickly_and_the_last_checkpoint_resumes(tm
 
 def test_resume_without_a_checkpoint_is_a_user_error(tmp_path: Path) -> None:
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "run.json").write_text(json.dumps({"name": "x", "run_dir": str(tmp_path / "run"),
-                                                           "kind": "local"}))
+    (tmp_path / "run" / "run.json").write_text(
+        json.dumps({"name": "x", "run_dir": str(tmp_path / "run"), "kind": "local"})
+    )
     proc = vlaslurm("resume", str(tmp_path / "run"), runs_root=tmp_path / "runs")
     assert proc.returncode == 2 and "has no checkpoint" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,4 +1,5 @@
 """`vlaslurm clean` and `vlaslurm runs` filters, on run directories built by hand (local runs: no Slurm)."""
+
 from __future__ import annotations
 
 import json
@@ -7,20 +8,29 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
-
 from conftest import vlaslurm
-from vlaslurm.runtime import rundir
-from vlaslurm.runtime.clean import parse_age
+
+from vlaslurm import rundir
+from vlaslurm.cli.clean import parse_age
 
 KEPT = ("run.json", "spec.yaml", "ledger.parquet", "metrics.jsonl", "exit_record.jsonl", "logs/trainer/0.log")
 
 
-def make_run(root: Path, name: str, stamp: str, exit_code: Optional[int] = 0, ended_ago_s: float = 60,
-             checkpoints: int = 4, sweep: Optional[str] = None, beating: bool = False) -> Path:
+def make_run(
+    root: Path,
+    name: str,
+    stamp: str,
+    exit_code: Optional[int] = 0,
+    ended_ago_s: float = 60,
+    checkpoints: int = 4,
+    sweep: Optional[str] = None,
+    beating: bool = False,
+) -> Path:
     """A finished (or, with exit_code None and a fresh heartbeat, running) local run with bulky folders."""
     run_dir = rundir.new_run_dir(root, name, stamp)
-    info = rundir.RunInfo(name=name, run_dir=str(run_dir), kind="local", created=time.time() - ended_ago_s - 10,
-                          sweep=sweep)
+    info = rundir.RunInfo(
+        name=name, run_dir=str(run_dir), kind="local", created=time.time() - ended_ago_s - 10, sweep=sweep
+    )
     rundir.write_info(info)
     rundir.append_index(root, info)
     (run_dir / "spec.yaml").write_text("name: x\n")
@@ -40,7 +50,8 @@ def make_run(root: Path, name: str, stamp: str, exit_code: Optional[int] = 0, en
     if exit_code is not None:
         end = time.time() - ended_ago_s
         (run_dir / "exit_record.jsonl").write_text(
-            json.dumps({"step": "job", "exit_code": exit_code, "start": 0, "end": end, "restart": 0}) + "\n")
+            json.dumps({"step": "job", "exit_code": exit_code, "start": 0, "end": end, "restart": 0}) + "\n"
+        )
     else:
         (run_dir / "exit_record.jsonl").write_text("")
     if beating:
@@ -59,8 +70,7 @@ def test_clean_one_run_keeps_what_status_and_compare_need(tmp_path: Path) -> Non
     run = make_run(tmp_path, "exp", "20260101-000000")
     dry = vlaslurm("clean", str(run), "--keep-checkpoints", "1", "--dry-run", runs_root=tmp_path)
     assert dry.returncode == 0, dry.stderr
-    for shown in ("weights", "events", "rendezvous", "checkpoints/v00000001", "checkpoints/.tmp-crashed",
-                  "would free"):
+    for shown in ("weights", "events", "rendezvous", "checkpoints/v00000001", "checkpoints/.tmp-crashed", "would free"):
         assert shown in dry.stdout
     assert "checkpoints/v00000004" not in dry.stdout and (run / "weights").exists()  # a dry run deletes nothing
     proc = vlaslurm("clean", str(run), "--keep-checkpoints", "1", "--yes", runs_root=tmp_path)

@@ -1,4 +1,5 @@
 """The command line without Slurm: plan, user errors, and local probe runs (`vlaslurm run --probe`)."""
+
 from __future__ import annotations
 
 import json
@@ -6,10 +7,10 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, vlaslurm
+
+from vlaslurm.rundir import read_info
 from vlaslurm.runtime.local import run_local
-from vlaslurm.runtime.rundir import read_info
 from vlaslurm.spec import load_spec
 
 QUICKSTART = REPO / "experiments" / "quickstart.yaml"
@@ -37,11 +38,21 @@ rollout: {mode: sync, total_env_steps: 100}
 """
 BAD_SPECS = [
     # (name, spec text, dotted key, line, part of the hint)
-    ("unknown key", BASE + "resources:\n  trainer: {gpu_per_node: 2}\n", "resources.trainer.gpu_per_node", 7,
-     "did you mean: gpus_per_node"),
+    (
+        "unknown key",
+        BASE + "resources:\n  trainer: {gpu_per_node: 2}\n",
+        "resources.trainer.gpu_per_node",
+        7,
+        "did you mean: gpus_per_node",
+    ),
     ("wrong type", BASE.replace("total_env_steps: 100", "total_env_steps: lots"), "rollout.total_env_steps", 5, ""),
-    ("unknown type", BASE.replace("type: synthetic, num", "type: robotwn, num"), "env.type", 2,
-     "did you mean: robotwin"),
+    (
+        "unknown type",
+        BASE.replace("type: synthetic, num", "type: robotwn, num"),
+        "env.type",
+        2,
+        "did you mean: robotwin",
+    ),
     ("zero count", BASE + "resources:\n  simulator: {nodes: 0}\n", "resources.simulator.nodes", 7, "at least 1"),
     ("broken yaml", BASE + "slurm: {time: [\n", "", 0, ""),
     ("missing extends", "extends: nowhere.yaml\n" + BASE, "extends", 1, "nowhere.yaml"),
@@ -82,8 +93,7 @@ def test_run_probe_locally_writes_every_rank(tmp_path: Path) -> None:
     ranks = read_info(run_dir).ranks
     probes = [json.loads(p.read_text()) for p in (run_dir / "probe").glob("*.json")]
     world = sum(ranks.values())
-    assert sorted((p["role"], p["rank"]) for p in probes) == sorted(
-        (r, i) for r, n in ranks.items() for i in range(n))
+    assert sorted((p["role"], p["rank"]) for p in probes) == sorted((r, i) for r, n in ranks.items() for i in range(n))
     assert all(p["sum"] == world * (world + 1) / 2 for p in probes)
     status = vlaslurm("status", "quickstart", runs_root=tmp_path)
     assert "COMPLETED" in status.stdout

@@ -1,6 +1,7 @@
 """`vlaslurm compare` on two real short runs (sync, async) that logged to the embedded SQLite
 database of their runs root: the table, the PNGs, the comparison run in MLflow; and the
 equal-sample arithmetic on hand-made curves."""
+
 from __future__ import annotations
 
 import os
@@ -12,19 +13,21 @@ import pytest
 import yaml
 
 from vlaslurm.cli import main
+from vlaslurm.rundir import list_runs
 from vlaslurm.runtime.local import run_local
-from vlaslurm.runtime.rundir import list_runs
 from vlaslurm.spec import load_spec
 from vlaslurm.tracking import read_run_id
 from vlaslurm.tracking.compare import PLOTS, summarize
 from vlaslurm.tracking.data import RunData
 
-SPEC = {"name": "cmp",
-        "env": {"type": "synthetic", "num_envs": 8, "step_ms": {"dist": "constant", "mean": 5}, "episode_steps": 10},
-        "model": {"type": "synthetic", "action_chunk": 2},
-        "algo": {"type": "synthetic", "steps_per_update": 64, "update_ms": 10},
-        "rollout": {"mode": "sync", "total_env_steps": 600, "max_staleness": 1},
-        "runtime": {"first_meeting_timeout_s": 60, "timeout_s": 30}}
+SPEC = {
+    "name": "cmp",
+    "env": {"type": "synthetic", "num_envs": 8, "step_ms": {"dist": "constant", "mean": 5}, "episode_steps": 10},
+    "model": {"type": "synthetic", "action_chunk": 2},
+    "algo": {"type": "synthetic", "steps_per_update": 64, "update_ms": 10},
+    "rollout": {"mode": "sync", "total_env_steps": 600, "max_staleness": 1},
+    "runtime": {"first_meeting_timeout_s": 60, "timeout_s": 30},
+}
 
 
 def sync_async_runs(base: Path) -> Dict[str, Path]:
@@ -62,8 +65,10 @@ def runs(tmp_path_factory) -> Dict[str, Path]:
 def test_compare_prints_the_table_writes_pngs_and_logs_a_comparison_run(runs, tmp_path, capsys):
     root = runs["sync"].parent.parent
     out = tmp_path / "cmp out"
-    assert main(["--runs-root", str(root), "compare", str(runs["sync"]), read_run_id(runs["async"]),
-                 "--out", str(out)]) == 0
+    assert (
+        main(["--runs-root", str(root), "compare", str(runs["sync"]), read_run_id(runs["async"]), "--out", str(out)])
+        == 0
+    )
     text = capsys.readouterr().out
     assert "equal samples: N = " in text and "speed-up" in text and "success" in text, text
     assert "sync" in text and "async" in text and "1.00x" in text, text
@@ -87,16 +92,38 @@ def test_compare_prints_the_table_writes_pngs_and_logs_a_comparison_run(runs, tm
 @pytest.mark.slow
 def test_compare_by_run_name_and_unknown_run(runs, tmp_path, capsys):
     root = runs["sync"].parent.parent
-    assert main(["--runs-root", str(root), "compare", str(runs["sync"]), "cmp-async", "--no-mlflow", "--samples", "300",
-                 "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "--runs-root",
+                str(root),
+                "compare",
+                str(runs["sync"]),
+                "cmp-async",
+                "--no-mlflow",
+                "--samples",
+                "300",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     assert "N = 300 env steps" in capsys.readouterr().out
     assert main(["--runs-root", str(root), "compare", str(runs["sync"]), "nosuchrun", "--no-mlflow"]) == 2
     assert "no run 'nosuchrun'" in capsys.readouterr().err
 
 
 def curve(steps, wall, success, mode):
-    metrics = pd.DataFrame({"env_steps": steps, "wall_s": wall, "rollout/success_rate": success,
-                            "rollout/episodes": [4] * len(steps), "charts/SPS": [1.0] * len(steps)})
+    metrics = pd.DataFrame(
+        {
+            "env_steps": steps,
+            "wall_s": wall,
+            "rollout/success_rate": success,
+            "rollout/episodes": [4] * len(steps),
+            "charts/SPS": [1.0] * len(steps),
+        }
+    )
     return RunData(label=mode, mode=mode, metrics=metrics, ledger=None)
 
 

@@ -8,6 +8,7 @@ quoting and that the worker entry, and with it the headless-rendering preflight 
 simulator, runs inside the container. Regenerate the goldens after a deliberate change:
     VLASLURM_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_containers.py
 """
+
 from __future__ import annotations
 
 import json
@@ -16,12 +17,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
+
 from vlaslurm.slurm import containers
-from vlaslurm.slurm.plan import build_plan
 from vlaslurm.slurm.render import RenderError, RenderOptions, render_script
 from vlaslurm.spec import SpecError, load_spec
+from vlaslurm.spec.plan import build_plan
 
 GOLDEN = REPO / "tests" / "golden" / "containers"
 UPDATE = os.environ.get("VLASLURM_UPDATE_GOLDEN") == "1"
@@ -30,16 +31,20 @@ CODE = Path("/code/vlaslurm checkout")
 
 CASES = {
     # every role in one pyxis image; the trainer adds a mount and a flag
-    "pyxis": ["resources.simulator.container.image=ghcr.io#org/vla-deps:1.2",
-              "resources.generator.container.image=ghcr.io#org/vla-deps:1.2",
-              "resources.trainer.container.image=/images/vla-deps.sqsh",
-              'resources.trainer.container.mounts=["/datasets:/data:ro"]',
-              'resources.trainer.container.options=["--container-remap-root"]'],
+    "pyxis": [
+        "resources.simulator.container.image=ghcr.io#org/vla-deps:1.2",
+        "resources.generator.container.image=ghcr.io#org/vla-deps:1.2",
+        "resources.trainer.container.image=/images/vla-deps.sqsh",
+        'resources.trainer.container.mounts=["/datasets:/data:ro"]',
+        'resources.trainer.container.options=["--container-remap-root"]',
+    ],
     # Apptainer for the simulator only (the others stay on the host)
-    "apptainer": ["resources.simulator.container.image=/images/sim.sif",
-                  "resources.simulator.container.runtime=apptainer",
-                  "resources.simulator.container.python=/opt/conda/bin/python",
-                  'resources.simulator.container.mounts=["/scratch"]'],
+    "apptainer": [
+        "resources.simulator.container.image=/images/sim.sif",
+        "resources.simulator.container.runtime=apptainer",
+        "resources.simulator.container.python=/opt/conda/bin/python",
+        'resources.simulator.container.mounts=["/scratch"]',
+    ],
 }
 
 
@@ -48,16 +53,23 @@ def fixed_code_dir(monkeypatch) -> None:
     monkeypatch.setattr(containers, "CODE_DIR", CODE)
 
 
-def render(case: str, run_dir: str = "/runs/probe-3c/20260101-000000", suffix: bool = True,
-           python: str = "/opt/venv/bin/python") -> str:
+def render(
+    case: str,
+    run_dir: str = "/runs/probe-3c/20260101-000000",
+    suffix: bool = True,
+    python: str = "/opt/venv/bin/python",
+) -> str:
     loaded = load_spec(PROBE_3C, CASES[case])
-    return render_script(loaded, build_plan(loaded), RenderOptions(run_dir=Path(run_dir), python=python,
-                                                                   entry_args=("--probe",), job_id_suffix=suffix))
+    return render_script(
+        loaded,
+        build_plan(loaded),
+        RenderOptions(run_dir=Path(run_dir), python=python, entry_args=("--probe",), job_id_suffix=suffix),
+    )
 
 
 def steps_of(text: str) -> str:
     """The launch lines of a script: what the container changes."""
-    return text[text.index("\nlaunch simulator srun"):text.index("\n\n# USR2")].strip() + "\n"
+    return text[text.index("\nlaunch simulator srun") : text.index("\n\n# USR2")].strip() + "\n"
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -72,16 +84,25 @@ def test_rendered_steps_match_golden(case: str) -> None:
 
 def test_no_image_renders_exactly_as_before() -> None:
     loaded = load_spec(PROBE_3C)
-    text = render_script(loaded, build_plan(loaded), RenderOptions(run_dir=Path("/runs/probe-3c/20260101-000000"),
-                                                                   python="/opt/venv/bin/python",
-                                                                   entry_args=("--probe",), job_id_suffix=True))
+    text = render_script(
+        loaded,
+        build_plan(loaded),
+        RenderOptions(
+            run_dir=Path("/runs/probe-3c/20260101-000000"),
+            python="/opt/venv/bin/python",
+            entry_args=("--probe",),
+            job_id_suffix=True,
+        ),
+    )
     assert text == (REPO / "tests" / "golden" / "probe-3c.sbatch").read_text()
 
 
 def _fake(bin_dir: Path, name: str, calls: Path) -> None:
     tool = bin_dir / name
-    tool.write_text("#!/usr/bin/env python3\nimport json, sys\n"
-                    f"open({str(calls)!r}, 'a').write(json.dumps([{name!r}, *sys.argv[1:]]) + '\\n')\n")
+    tool.write_text(
+        "#!/usr/bin/env python3\nimport json, sys\n"
+        f"open({str(calls)!r}, 'a').write(json.dumps([{name!r}, *sys.argv[1:]]) + '\\n')\n"
+    )
     tool.chmod(0o755)
 
 
@@ -112,12 +133,17 @@ def test_script_runs_with_fake_runtimes_and_odd_paths(case: str, tmp_path: Path)
         assert sum(a.startswith("--container-image=") for a in argv["simulator"]) == 2
         for role, args in argv.items():
             entry = args.index("-m")
-            assert args[entry - 3:entry + 2] == ["env", f"PYTHONPATH={CODE}", "python3", "-m",
-                                                 "vlaslurm.runtime.worker"], role
+            assert args[entry - 3 : entry + 2] == [
+                "env",
+                f"PYTHONPATH={CODE}",
+                "python3",
+                "-m",
+                "vlaslurm.runtime.worker",
+            ], role
     else:
         sim = argv["simulator"]
         start = sim.index("apptainer")
-        assert sim[start:start + 2] == ["apptainer", "exec"] and "--nv" in sim
+        assert sim[start : start + 2] == ["apptainer", "exec"] and "--nv" in sim
         binds = [sim[i + 1] for i, a in enumerate(sim) if a == "--bind"]
         assert binds == [f"{root}:{root}", f"{CODE}:{CODE}", "/scratch:/scratch"] * 2  # two parts (colon form)
         assert sim.index("/images/sim.sif") < sim.index("vlaslurm.runtime.worker")  # the worker runs inside
@@ -138,12 +164,15 @@ def test_paths_a_mount_list_cannot_hold_are_refused(bad: str) -> None:
         render("pyxis", f"{bad}/probe-3c/1")
 
 
-@pytest.mark.parametrize("override, key", [
-    ("resources.trainer.container.runtime=docker", "resources.trainer.container.runtime"),
-    ('resources.trainer.container.mounts=["data:/data"]', "resources.trainer.container.mounts[0]"),
-    ('resources.trainer.container.mounts=["/a,/b"]', "resources.trainer.container.mounts[0]"),
-    ("resources.trainer.container.image='two words'", "resources.trainer.container.image"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("resources.trainer.container.runtime=docker", "resources.trainer.container.runtime"),
+        ('resources.trainer.container.mounts=["data:/data"]', "resources.trainer.container.mounts[0]"),
+        ('resources.trainer.container.mounts=["/a,/b"]', "resources.trainer.container.mounts[0]"),
+        ("resources.trainer.container.image='two words'", "resources.trainer.container.image"),
+    ],
+)
 def test_bad_container_fields_name_their_key(override: str, key: str) -> None:
     with pytest.raises(SpecError) as err:
         load_spec(PROBE_3C, [override])

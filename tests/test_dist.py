@@ -3,13 +3,13 @@
 Also the locked-down store: it listens on the rank's address only (read from /proc), and a TCPStore
 client without the run secret finds none of the names c10d writes and cannot forge a value.
 """
+
 from __future__ import annotations
 
 import os
 from typing import Any
 
 import pytest
-
 from listen_helpers import is_wildcard, listening
 from process_helpers import run_ranks
 
@@ -28,13 +28,20 @@ def _rank_main(run_dir: str, role: str, rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from vlaslurm.runtime.dist import (
-        host_store, init_world, new_subgroup, set_running_timeout, store_ports, world_barrier,
+        host_store,
+        init_world,
+        new_subgroup,
+        set_running_timeout,
+        store_ports,
+        world_barrier,
     )
     from vlaslurm.runtime.rendezvous import Member, Rendezvous, global_rank
 
     rdzv = Rendezvous(run_dir, EXPECTED)
     store = host_store("127.0.0.1", 30) if global_rank(role, rank, EXPECTED) == 0 else None
-    rdzv.join(Member(role, rank, host=f"h-{role}{rank}", address="127.0.0.1", ports=store_ports(store), pid=os.getpid()))
+    rdzv.join(
+        Member(role, rank, host=f"h-{role}{rank}", address="127.0.0.1", ports=store_ports(store), pid=os.getpid())
+    )
     members = rdzv.wait(30)
     world = init_world(members, (role, rank), "gloo", 30, store=store, secret=SECRET)
     try:
@@ -47,14 +54,21 @@ def _rank_main(run_dir: str, role: str, rank: int) -> dict[str, Any]:
         pair_sum = None
         if world.rank in pair:
             group = new_subgroup(pair)
-            value = torch.tensor([10.0 ** world.rank])
+            value = torch.tensor([10.0**world.rank])
             dist.all_reduce(value, group=group)
             pair_sum = value.item()
         world_barrier()
-        return {"rank": world.rank, "size": world.world_size, "sum": total.item(), "pair_sum": pair_sum,
-                "generators": world.ranks_of("generator"), "listening": listening(os.getpid()),
-                "store_port": store.port if store is not None else None, "rogue": seen,
-                "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}
+        return {
+            "rank": world.rank,
+            "size": world.world_size,
+            "sum": total.item(),
+            "pair_sum": pair_sum,
+            "generators": world.ranks_of("generator"),
+            "listening": listening(os.getpid()),
+            "store_port": store.port if store is not None else None,
+            "rogue": seen,
+            "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+        }
     finally:
         world.close()
 
@@ -67,13 +81,18 @@ def _what_a_rogue_sees(store: Any, sealed: Any) -> dict[str, Any]:
 
     from vlaslurm.runtime.dist import store_prefix
 
-    rogue = dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False,
-                          timeout=timedelta(seconds=5))
+    rogue = dist.TCPStore(
+        "127.0.0.1", store.port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5)
+    )
     prefix = store_prefix(SECRET)
     names = rogue.list_keys()
-    return {"names": names, "plain_found": [k for k in C10D_KEYS if rogue.check([k])],
-            "prefixed_found": [k for k in C10D_KEYS if rogue.check([f"{prefix}/{k}"])],
-            "values": [rogue.get(f"{prefix}/{k}") for k in C10D_KEYS], "plain": [sealed.get(k) for k in C10D_KEYS]}
+    return {
+        "names": names,
+        "plain_found": [k for k in C10D_KEYS if rogue.check([k])],
+        "prefixed_found": [k for k in C10D_KEYS if rogue.check([f"{prefix}/{k}"])],
+        "values": [rogue.get(f"{prefix}/{k}") for k in C10D_KEYS],
+        "plain": [sealed.get(k) for k in C10D_KEYS],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -152,10 +171,10 @@ def test_sealed_counters_and_compare_set_keep_c10d_semantics() -> None:
     assert [store.add("n", 2), store.add("n", 3), int(store.get("n"))] == [2, 5, 5]
     store.delete_key("n")
     assert store.add("n", 7) == 7
-    assert store.compare_set("k", "", "v1") == b"v1"      # missing key, empty expectation: set
-    assert store.compare_set("k", "v1", "v2") == b"v2"    # match: swap
-    assert store.compare_set("k", "v1", "v3") == b"v2"    # mismatch: current value
-    assert store.compare_set("gone", "x", "y") == b"x"    # missing key, non-empty expectation: expected
+    assert store.compare_set("k", "", "v1") == b"v1"  # missing key, empty expectation: set
+    assert store.compare_set("k", "v1", "v2") == b"v2"  # match: swap
+    assert store.compare_set("k", "v1", "v3") == b"v2"  # mismatch: current value
+    assert store.compare_set("gone", "x", "y") == b"x"  # missing key, non-empty expectation: expected
     assert not store.check(["gone"])
 
 
@@ -206,7 +225,9 @@ def test_unreachable_store_names_rank_zero() -> None:
     from vlaslurm.runtime.rendezvous import Member
 
     port = free_port()
-    members = {(role, rank): Member(role, rank, host="node9", address="127.0.0.1", ports={"store": port})
-               for role, rank in KEYS}
+    members = {
+        (role, rank): Member(role, rank, host="node9", address="127.0.0.1", ports={"store": port})
+        for role, rank in KEYS
+    }
     with pytest.raises(WorldError, match=rf"TCPStore of trainer\[0\]@node9 at 127.0.0.1:{port}"):
         init_world(members, ("simulator", 0), "gloo", 0.3, secret=SECRET)

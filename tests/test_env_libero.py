@@ -4,6 +4,7 @@ MuJoCo renders headless with MUJOCO_GL=egl (Mesa's software EGL on this machine)
 dominates a step on the CPU (about 1 s per 32x32 frame on two busy cores), so the image test uses
 one small camera; the replay test runs without cameras.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -38,7 +39,9 @@ def test_images_state_and_partial_reset():
         obs = env.reset([0, 1], seeds=[0, 1])
         assert obs.images.shape == (2, 1, 32, 32, 3) and obs.images.dtype == np.uint8 and obs.images.max() > 0
         assert obs.state.shape == (2, 8) and obs.state.dtype == np.float32
-        assert obs.instructions[0] == "pick up the black bowl between the plate and the ramekin and place it on the plate"
+        assert obs.instructions[0] == (
+            "pick up the black bowl between the plate and the ramekin and place it on the plate"
+        )
         rng = np.random.default_rng(0)
         ended = {0: None, 1: None}
         start = time.perf_counter()
@@ -75,8 +78,13 @@ def test_success_matches_libero_own_evaluation():
     from libero.libero.envs.env_wrapper import ControlEnv
 
     seed, steps, settle = 4, 30, 3
-    cfg = config(tasks=["libero_object"], task_ids=[0], max_episode_steps=steps, settle_steps=settle,
-                 obs=ObsConfig(image_size=0, cameras=[], state=True))
+    cfg = config(
+        tasks=["libero_object"],
+        task_ids=[0],
+        max_episode_steps=steps,
+        settle_steps=settle,
+        obs=ObsConfig(image_size=0, cameras=[], state=True),
+    )
     actions = np.random.default_rng(seed).uniform(-1, 1, (steps, 7)).astype(np.float32)
     env = make_env(cfg, num_envs=1, rank=0, seed=0)
     adapter_success, adapter_state = [], []
@@ -93,9 +101,12 @@ def test_success_matches_libero_own_evaluation():
 
     suite = benchmark.get_benchmark_dict()["libero_object"]()
     task = suite.get_task(0)
-    direct = ControlEnv(bddl_file_name=os.path.join(get_libero_path("bddl_files"), task.problem_folder,
-                                                    task.bddl_file),
-                        use_camera_obs=False, has_renderer=False, has_offscreen_renderer=False)
+    direct = ControlEnv(
+        bddl_file_name=os.path.join(get_libero_path("bddl_files"), task.problem_folder, task.bddl_file),
+        use_camera_obs=False,
+        has_renderer=False,
+        has_offscreen_renderer=False,
+    )
     try:
         direct.seed(seed)
         direct.reset()
@@ -143,19 +154,43 @@ def test_runtime_runs_libero_with_images(tmp_path):
 
     spec = {
         "name": "libero-images",
-        "env": {"type": "libero", "tasks": ["libero_goal"], "task_ids": [1], "num_envs": 1, "max_episode_steps": 6,
-                "settle_steps": 0, "obs": {"image_size": 16, "cameras": ["agentview"], "state": True}},
-        "model": {"type": "openvla-oft", "action_chunk": 2,
-                  "backbone": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64,
-                               "vocab_size": 128, "max_instruction_tokens": 8, "vision_channels": 8}},
+        "env": {
+            "type": "libero",
+            "tasks": ["libero_goal"],
+            "task_ids": [1],
+            "num_envs": 1,
+            "max_episode_steps": 6,
+            "settle_steps": 0,
+            "obs": {"image_size": 16, "cameras": ["agentview"], "state": True},
+        },
+        "model": {
+            "type": "openvla-oft",
+            "action_chunk": 2,
+            "backbone": {
+                "hidden_size": 32,
+                "num_layers": 1,
+                "num_heads": 2,
+                "intermediate_size": 64,
+                "vocab_size": 128,
+                "max_instruction_tokens": 8,
+                "vision_channels": 8,
+            },
+        },
         "algo": {"type": "ppo", "steps_per_update": 8, "epochs": 1, "minibatches": 1},
-        "rollout": {"mode": "sync", "total_env_steps": 16, "weight_sync": "nccl",
-                    "batching": {"max_batch": 4, "max_wait_ms": 5}},
+        "rollout": {
+            "mode": "sync",
+            "total_env_steps": 16,
+            "weight_sync": "nccl",
+            "batching": {"max_batch": 4, "max_wait_ms": 5},
+        },
         "runtime": {"first_meeting_timeout_s": 300, "timeout_s": 180},
     }
     run = run_spec(tmp_path, spec, name="libero", timeout_s=500)
-    logs = "\n".join(run.log(role, 0)[-1500:] for role in ("simulator", "generator", "trainer")
-                     if (run.run_dir / "logs" / role / "0.log").exists())
+    logs = "\n".join(
+        run.log(role, 0)[-1500:]
+        for role in ("simulator", "generator", "trainer")
+        if (run.run_dir / "logs" / role / "0.log").exists()
+    )
     assert run.rc == 0, logs
     assert len(run.ledger) > 0, logs
 
@@ -167,10 +202,13 @@ def _choose_in_child(environ: dict) -> dict:
     import subprocess
     import sys
 
-    code = ("import json, sys; from vlaslurm.envs.libero import choose_egl_device; "
-            "env = json.loads(sys.argv[1]); choose_egl_device(env); print(json.dumps(env))")
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(environ)], capture_output=True, text=True,
-                         timeout=60, check=True)
+    code = (
+        "import json, sys; from vlaslurm.envs.libero import choose_egl_device; "
+        "env = json.loads(sys.argv[1]); choose_egl_device(env); print(json.dumps(env))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(environ)], capture_output=True, text=True, timeout=60, check=True
+    )
     return json.loads(out.stdout.splitlines()[-1])
 
 

@@ -6,6 +6,7 @@ gpu backend uses (built on the cpu backend with one scene, the only batched size
 backend allows), a replay of the same actions through ManiSkill directly, and short runs of the
 whole runtime (`vlaslurm run` in-process) on PushCube with state observations.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,8 +24,14 @@ if importlib.util.find_spec("mani_skill") is None:  # CI sets VLASLURM_REQUIRE_S
     pytest.skip(message, allow_module_level=True)
 
 from vlaslurm.envs import make_env  # noqa: E402
-from vlaslurm.envs.maniskill import (GpuManiSkillVecEnv, Layout, extract, import_maniskill,  # noqa: E402
-                                     instruction_for, to_simulator_action)
+from vlaslurm.envs.maniskill import (  # noqa: E402
+    GpuManiSkillVecEnv,
+    Layout,
+    extract,
+    import_maniskill,
+    instruction_for,
+    to_simulator_action,
+)
 from vlaslurm.spec.env_types import ManiSkillEnvConfig, ObsConfig  # noqa: E402
 
 STATE_ONLY = ObsConfig(image_size=0, cameras=[], state=True)
@@ -64,8 +71,7 @@ def push_policy(state: np.ndarray, phase: list) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def image_env():
-    env = make_env(image_config(tasks=["PushCube-v1", "PickCube-v1"], max_episode_steps=25), num_envs=2,
-                   rank=0, seed=0)
+    env = make_env(image_config(tasks=["PushCube-v1", "PickCube-v1"], max_episode_steps=25), num_envs=2, rank=0, seed=0)
     yield env
     env.close()
 
@@ -127,9 +133,16 @@ def test_success_matches_maniskills_own_evaluation():
     assert adapter_success[-1], "the scripted pusher should push the cube onto the goal"
 
     gym = import_maniskill("auto")
-    direct = gym.make("PushCube-v1", obs_mode="state", num_envs=1, sim_backend="physx_cpu",
-                      control_mode=cfg.control_mode, reward_mode=cfg.reward_mode, max_episode_steps=steps,
-                      render_backend=cfg.render_backend)
+    direct = gym.make(
+        "PushCube-v1",
+        obs_mode="state",
+        num_envs=1,
+        sim_backend="physx_cpu",
+        control_mode=cfg.control_mode,
+        reward_mode=cfg.reward_mode,
+        max_episode_steps=steps,
+        render_backend=cfg.render_backend,
+    )
     try:
         direct.reset(seed=seed)
         sim_actions = to_simulator_action(np.stack(actions), "vla")
@@ -162,7 +175,7 @@ def test_batched_backend_class_on_one_cpu_scene():
         assert first.images.shape == (1, 1, 32, 32, 3) and first.state.shape == (1, env.state_dim)
         again = env.reset([0], seeds=[7])
         np.testing.assert_allclose(first.state, again.state, atol=1e-6)  # seeded resets repeat
-        for t in range(6):
+        for _ in range(6):
             result = env.step([0], np.zeros((1, 7), np.float32))
         assert bool(result.truncated[0])
         empty = env.step([], np.zeros((0, 7), np.float32))
@@ -178,11 +191,16 @@ def test_instructions_and_config_errors():
     with pytest.raises(ValueError, match="env.obs_mode 'state' renders no cameras"):
         make_env(ManiSkillEnvConfig(type="maniskill", obs_mode="state"), num_envs=1, rank=0, seed=0)
     sensors = {"sensor_data": {"base_camera": {"rgb": np.zeros((1, 4, 4, 3), np.uint8)}}}
-    with pytest.raises(ValueError, match=r"names \['hand'\], which this task does not render; its cameras: "
-                                         r"\['base_camera'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"names \['hand'\], which this task does not render; its cameras: "
+        r"\['base_camera'\]",
+    ):
         extract(sensors, Layout(cameras=["hand"], state=False))
-    images, state = extract({**sensors, "agent": {"qpos": np.ones((1, 2))}, "extra": {"goal": np.ones((1, 3))}},
-                            Layout(cameras=["base_camera"], state=True))
+    images, state = extract(
+        {**sensors, "agent": {"qpos": np.ones((1, 2))}, "extra": {"goal": np.ones((1, 3))}},
+        Layout(cameras=["base_camera"], state=True),
+    )
     assert images.shape == (1, 1, 4, 4, 3) and state.tolist() == [[1.0] * 5]
 
 
@@ -193,19 +211,43 @@ def test_runtime_runs_pushcube_with_state(tmp_path, mode):
 
     spec = {
         "name": f"maniskill-{mode}",
-        "env": {"type": "maniskill", "tasks": ["PushCube-v1"], "num_envs": 2, "max_episode_steps": 12,
-                "sim_backend": "cpu", "obs_mode": "state", "obs": {"image_size": 0, "cameras": [], "state": True}},
-        "model": {"type": "openvla-oft", "action_chunk": 2,
-                  "backbone": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64,
-                               "vocab_size": 128, "max_instruction_tokens": 8}},
+        "env": {
+            "type": "maniskill",
+            "tasks": ["PushCube-v1"],
+            "num_envs": 2,
+            "max_episode_steps": 12,
+            "sim_backend": "cpu",
+            "obs_mode": "state",
+            "obs": {"image_size": 0, "cameras": [], "state": True},
+        },
+        "model": {
+            "type": "openvla-oft",
+            "action_chunk": 2,
+            "backbone": {
+                "hidden_size": 32,
+                "num_layers": 1,
+                "num_heads": 2,
+                "intermediate_size": 64,
+                "vocab_size": 128,
+                "max_instruction_tokens": 8,
+            },
+        },
         "algo": {"type": "ppo", "steps_per_update": 16, "epochs": 1, "minibatches": 1},
-        "rollout": {"mode": mode, "total_env_steps": 48, "weight_sync": "nccl", "max_staleness": 1,
-                    "batching": {"max_batch": 8, "max_wait_ms": 5}},
+        "rollout": {
+            "mode": mode,
+            "total_env_steps": 48,
+            "weight_sync": "nccl",
+            "max_staleness": 1,
+            "batching": {"max_batch": 8, "max_wait_ms": 5},
+        },
         "runtime": {"first_meeting_timeout_s": 240, "timeout_s": 120},
     }
     run = run_spec(tmp_path, spec, name=mode, timeout_s=400)
-    logs = "\n".join(run.log(role, 0)[-1500:] for role in ("simulator", "generator", "trainer")
-                     if (run.run_dir / "logs" / role / "0.log").exists())
+    logs = "\n".join(
+        run.log(role, 0)[-1500:]
+        for role in ("simulator", "generator", "trainer")
+        if (run.run_dir / "logs" / role / "0.log").exists()
+    )
     assert run.rc == 0, logs
     assert (run.run_dir / "ledger.parquet").exists(), logs
     ledger = run.ledger

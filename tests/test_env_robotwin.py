@@ -7,6 +7,7 @@ signatures equal to those extracted from RoboTwin at `robotwin_standin/PINNED_CO
 evaluation does (config assembly, unstable seeds skipped, expert check, instructions, take_action,
 eval_success, step_lim, close_env); they do not show RoboTwin's physics or rendering.
 """
+
 from __future__ import annotations
 
 import sys
@@ -60,8 +61,10 @@ def test_reset_step_success_and_partial_reset():
         # lift_pot's expert fails on odd seeds, so 5 -> 6.
         assert env.seeds_used == [4, 6]
         assert obs.images.shape == (2, 2, 16, 16, 3) and obs.state.shape == (2, 14)
-        assert obs.instructions[0] in ("Pick the hammer and strike the block.",
-                                       "Lift the hammer using the left arm to hit the block.")
+        assert obs.instructions[0] in (
+            "Pick the hammer and strike the block.",
+            "Lift the hammer using the left arm to hit the block.",
+        )
         assert obs.instructions[1] in ("Lift the kitchenpot with both arms.", "Raise the pot using both arms.")
         hold = np.zeros((2, 14), np.float32)
         for _ in range(3):
@@ -81,11 +84,12 @@ def test_reset_step_success_and_partial_reset():
 
 
 def test_robotwin_step_limit_truncates():
-    env = make_env(config(tasks=["lift_pot"], obs=ObsConfig(image_size=0, cameras=[], state=True)), num_envs=1,
-                   rank=0, seed=0)
+    env = make_env(
+        config(tasks=["lift_pot"], obs=ObsConfig(image_size=0, cameras=[], state=True)), num_envs=1, rank=0, seed=0
+    )
     try:
         env.reset([0], seeds=[0])
-        for t in range(12):  # _eval_step_limit.yml: lift_pot 12
+        for _ in range(12):  # _eval_step_limit.yml: lift_pot 12
             result = env.step([0], np.zeros((1, 14), np.float32))
         assert bool(result.truncated[0]) and not bool(result.terminated[0])
         assert result.obs.images is None
@@ -128,8 +132,16 @@ def test_protocol_calls_close_env_between_episodes(monkeypatch):
     inst.close()
     kinds = [c[0] for c in CALLS]
     # expert setup, close, episode setup; then the same again after closing the live episode; close
-    assert kinds == ["setup_demo", "close_env", "setup_demo", "close_env", "setup_demo", "close_env",
-                     "setup_demo", "close_env"]
+    assert kinds == [
+        "setup_demo",
+        "close_env",
+        "setup_demo",
+        "close_env",
+        "setup_demo",
+        "close_env",
+        "setup_demo",
+        "close_env",
+    ]
     assert all(c[1]["is_test"] and c[1]["eval_mode"] for c in CALLS if c[0] == "setup_demo")
     for name in [m for m in sys.modules if m == "envs" or m.startswith("envs.")]:
         monkeypatch.delitem(sys.modules, name)

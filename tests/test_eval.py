@@ -1,4 +1,5 @@
 """`vlaslurm eval`: the frozen policy's success per task, failed trajectories kept per task."""
+
 from __future__ import annotations
 
 import json
@@ -8,15 +9,25 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vlaslurm.runtime.evaluate import EVAL_FILE, evaluate
+from vlaslurm.rundir.layout import EVAL as EVAL_FILE
+from vlaslurm.runtime.evaluate import evaluate
 from vlaslurm.spec import load_spec
 
 
 def spec_file(tmp_path: Path, success_prob: float, **model) -> Path:
-    spec = {"name": "ev", "env": {"type": "synthetic", "tasks": ["a", "b"], "num_envs": 4, "success_prob": success_prob,
-                                  "episode_steps": 3, "step_ms": {"dist": "constant", "mean": 0.1}},
-            "model": {"type": "synthetic", "action_chunk": 2, "forward_ms": {"base": 0.0, "per_item": 0.0}, **model},
-            "algo": {"type": "synthetic"}}
+    spec = {
+        "name": "ev",
+        "env": {
+            "type": "synthetic",
+            "tasks": ["a", "b"],
+            "num_envs": 4,
+            "success_prob": success_prob,
+            "episode_steps": 3,
+            "step_ms": {"dist": "constant", "mean": 0.1},
+        },
+        "model": {"type": "synthetic", "action_chunk": 2, "forward_ms": {"base": 0.0, "per_item": 0.0}, **model},
+        "algo": {"type": "synthetic"},
+    }
     path = tmp_path / "ev.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -37,12 +48,20 @@ def test_eval_loads_the_checkpoint_in_model_path(tmp_path: Path) -> None:
     from vlaslurm.models import build_policy
     from vlaslurm.spec.model_types import OpenVLAOFTConfig
 
-    policy = build_policy(OpenVLAOFTConfig(type="openvla-oft", action_chunk=2, action_dim=2),
-                          action_dim=2, state_dim=2, image_size=16, num_cameras=1)
+    policy = build_policy(
+        OpenVLAOFTConfig(type="openvla-oft", action_chunk=2, action_dim=2),
+        action_dim=2,
+        state_dim=2,
+        image_size=16,
+        num_cameras=1,
+    )
     policy.save_pretrained(str(tmp_path / "ckpt"))
-    spec = {"name": "ev", "env": {"type": "toy", "num_envs": 2, "obs": {"image_size": 16, "cameras": ["top"]}},
-            "model": {"type": "openvla-oft", "action_chunk": 2, "action_dim": 2, "path": str(tmp_path / "ckpt")},
-            "algo": {"type": "ppo"}}
+    spec = {
+        "name": "ev",
+        "env": {"type": "toy", "num_envs": 2, "obs": {"image_size": 16, "cameras": ["top"]}},
+        "model": {"type": "openvla-oft", "action_chunk": 2, "action_dim": 2, "path": str(tmp_path / "ckpt")},
+        "algo": {"type": "ppo"},
+    }
     path = tmp_path / "toy.yaml"
     path.write_text(yaml.safe_dump(spec))
     directory = evaluate(load_spec(path), tmp_path / "runs", episodes=4)
@@ -91,17 +110,28 @@ def tiny_checkpoint_spec(tmp_path: Path) -> Path:
     from vlaslurm.models import build_policy
     from vlaslurm.spec.model_types import OpenVLAOFTConfig
 
-    policy = build_policy(OpenVLAOFTConfig(type="openvla-oft", action_chunk=2, action_dim=2),
-                          action_dim=2, state_dim=2, image_size=16, num_cameras=1)
+    policy = build_policy(
+        OpenVLAOFTConfig(type="openvla-oft", action_chunk=2, action_dim=2),
+        action_dim=2,
+        state_dim=2,
+        image_size=16,
+        num_cameras=1,
+    )
     policy.save_pretrained(str(tmp_path / "ckpt"))
-    spec = {"name": "evjob", "env": {"type": "toy", "num_envs": 2, "max_episode_steps": 12,
-                                     "obs": {"image_size": 16, "cameras": ["top"]}},
-            "model": {"type": "openvla-oft", "action_chunk": 2, "action_dim": 2, "path": str(tmp_path / "ckpt")},
-            "algo": {"type": "ppo"}, "rollout": {"seed": 3},
-            "resources": {"layout": "disaggregated", "simulator": {"nodes": 1, "tasks_per_node": 2, "cpus_per_task": 1},
-                          "generator": {"nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1},
-                          "trainer": {"nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1}},
-            "slurm": {"partition": "cpu", "time": "00:10:00"}}
+    spec = {
+        "name": "evjob",
+        "env": {"type": "toy", "num_envs": 2, "max_episode_steps": 12, "obs": {"image_size": 16, "cameras": ["top"]}},
+        "model": {"type": "openvla-oft", "action_chunk": 2, "action_dim": 2, "path": str(tmp_path / "ckpt")},
+        "algo": {"type": "ppo"},
+        "rollout": {"seed": 3},
+        "resources": {
+            "layout": "disaggregated",
+            "simulator": {"nodes": 1, "tasks_per_node": 2, "cpus_per_task": 1},
+            "generator": {"nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1},
+            "trainer": {"nodes": 1, "tasks_per_node": 1, "cpus_per_task": 1},
+        },
+        "slurm": {"partition": "cpu", "time": "00:10:00"},
+    }
     path = tmp_path / "evjob.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -113,14 +143,25 @@ def test_eval_job_on_the_cluster_equals_local(local_slurm, tmp_path: Path) -> No
     """`vlaslurm eval` as a real job (simulator and generator steps, no trainer): the per-task table, each
     episode's outcome and the failed trajectories' actions equal `--local` for the same seed and checkpoint."""
     import numpy as np
-
     from conftest import vlaslurm
-    from vlaslurm.runtime.rundir import read_info
-    from vlaslurm.slurm.submit import exit_record
+
+    from vlaslurm.rundir import exit_records as exit_record
+    from vlaslurm.rundir import read_info
 
     spec, root = tiny_checkpoint_spec(tmp_path), tmp_path / "runs"
-    proc = vlaslurm("eval", str(spec), "--episodes", "5", "--keep-failed", "2", "--wait", "--site", "local",
-                    runs_root=root, timeout=600)
+    proc = vlaslurm(
+        "eval",
+        str(spec),
+        "--episodes",
+        "5",
+        "--keep-failed",
+        "2",
+        "--wait",
+        "--site",
+        "local",
+        runs_root=root,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job_id = re.search(r"submitted eval job (\d+)", proc.stdout).group(1)
     job_dir = Path(next(p for p in (root / "evjob-eval").iterdir() if p.name.endswith(f"-{job_id}")))
@@ -132,12 +173,27 @@ def test_eval_job_on_the_cluster_equals_local(local_slurm, tmp_path: Path) -> No
     assert re.search(r"reach\s+│?\s*5", proc.stdout), proc.stdout  # --wait printed the table
 
     local = tmp_path / "local"
-    assert vlaslurm("eval", str(spec), "--episodes", "5", "--keep-failed", "2", "--local", "--site", "local",
-                    runs_root=local, timeout=600).returncode == 0
+    assert (
+        vlaslurm(
+            "eval",
+            str(spec),
+            "--episodes",
+            "5",
+            "--keep-failed",
+            "2",
+            "--local",
+            "--site",
+            "local",
+            runs_root=local,
+            timeout=600,
+        ).returncode
+        == 0
+    )
     local_dir = next((local / "evjob-eval").iterdir())
     expected = json.loads((local_dir / EVAL_FILE).read_text())
-    assert {k: job[k] for k in ("success", "episodes_per_task", "outcomes")} == \
-        {k: expected[k] for k in ("success", "episodes_per_task", "outcomes")}
+    assert {k: job[k] for k in ("success", "episodes_per_task", "outcomes")} == {
+        k: expected[k] for k in ("success", "episodes_per_task", "outcomes")
+    }
     failed = {name: _failed_by_episode(d) for name, d in (("job", job_dir), ("local", local_dir))}
     both = sorted(set(failed["job"]) & set(failed["local"]))
     assert both  # each keeps 2 per task (the job: per simulator rank), so some episodes are kept by both

@@ -14,6 +14,7 @@ see tests/test_env_robotwin.py), handed to the job through the spec's own `env.r
 shows that `submit experiments/robotwin.yaml` runs end to end where env.root names a RoboTwin
 checkout; it does not show RoboTwin's physics or rendering.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -25,10 +26,10 @@ from typing import Dict, List, Optional, Union
 
 import pandas as pd
 import pytest
-
 from conftest import REPO, vlaslurm
 from slurm_helpers import Job, submit, wait_done
-from vlaslurm.slurm.submit import exit_record
+
+from vlaslurm.rundir import exit_records as exit_record
 from vlaslurm.spec import load_spec
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -39,8 +40,16 @@ DEADLINE_S = 420.0  # per job, from submission: three jobs share two cores (LIBE
 IMAGE_SIZE = 16
 GROUP = 2  # GRPO group size of the LIBERO and RoboTwin jobs
 TOTAL_ENV_STEPS = {"maniskill": 128, "libero": 32, "robotwin": 128}
-TINY_BACKBONE = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "vocab_size": 128,
-                 "max_instruction_tokens": 8, "vision_channels": 8, "num_keypoints": 4}
+TINY_BACKBONE = {
+    "hidden_size": 32,
+    "num_layers": 1,
+    "num_heads": 2,
+    "intermediate_size": 64,
+    "vocab_size": 128,
+    "max_instruction_tokens": 8,
+    "vision_channels": 8,
+    "num_keypoints": 4,
+}
 # What each experiment's simulator reports (action_dim, state_dim); a checkpoint that does not fit fails the
 # generator with "checkpoint ... does not fit this run (state_dim: checkpoint X, needed Y)".
 # ManiSkill: agent (qpos 9, qvel 9) + extra (tcp pose 7, goal 3, PickCube's is_grasped 1), padded to the longest.
@@ -54,21 +63,38 @@ def one_rank_per_role(*roles: str) -> List[str]:
 
 def overrides(name: str, checkpoint: Path) -> List[str]:
     """What a user of a small CPU cluster types after `vlaslurm submit experiments/<name>.yaml`."""
-    common = [f"model.path={checkpoint}", f"env.obs.image_size={IMAGE_SIZE}",
-              f"rollout.total_env_steps={TOTAL_ENV_STEPS[name]}",
-              "runtime.first_meeting_timeout_s=300",  # the site's 60 s is for jobs that start in seconds
-              *one_rank_per_role("simulator", "generator", "trainer")]
-    return common + {
-        # no CUDA here: ManiSkill's cpu backend (one process per instance) instead of physx_cuda
-        "maniskill": ["env.sim_backend=cpu", "env.num_envs=2", "algo.steps_per_update=32"],
-        # hybrid: the trainer overlaps every GPU of the simulator and generator (1 + 1 -> 2 trainer ranks)
-        # two of the spec's four suites: 4 environments make 2 GRPO groups, one task each
-        "libero": ["env.num_envs=4", f"env.tasks=[{','.join(spec_tasks('libero')[:2])}]", "env.task_ids=[0]",
-                   "env.max_episode_steps=8", f"algo.group_size={GROUP}",
-                   "algo.steps_per_update=32", "resources.trainer.gpus_per_node=2"],
-        "robotwin": [f"env.root={STANDIN_ROOT}", "env.num_envs=4", f"algo.group_size={GROUP}",
-                     "algo.steps_per_update=64", "resources.trainer.nodes=1"],
-    }[name]
+    common = [
+        f"model.path={checkpoint}",
+        f"env.obs.image_size={IMAGE_SIZE}",
+        f"rollout.total_env_steps={TOTAL_ENV_STEPS[name]}",
+        "runtime.first_meeting_timeout_s=300",  # the site's 60 s is for jobs that start in seconds
+        *one_rank_per_role("simulator", "generator", "trainer"),
+    ]
+    return (
+        common
+        + {
+            # no CUDA here: ManiSkill's cpu backend (one process per instance) instead of physx_cuda
+            "maniskill": ["env.sim_backend=cpu", "env.num_envs=2", "algo.steps_per_update=32"],
+            # hybrid: the trainer overlaps every GPU of the simulator and generator (1 + 1 -> 2 trainer ranks)
+            # two of the spec's four suites: 4 environments make 2 GRPO groups, one task each
+            "libero": [
+                "env.num_envs=4",
+                f"env.tasks=[{','.join(spec_tasks('libero')[:2])}]",
+                "env.task_ids=[0]",
+                "env.max_episode_steps=8",
+                f"algo.group_size={GROUP}",
+                "algo.steps_per_update=32",
+                "resources.trainer.gpus_per_node=2",
+            ],
+            "robotwin": [
+                f"env.root={STANDIN_ROOT}",
+                "env.num_envs=4",
+                f"algo.group_size={GROUP}",
+                "algo.steps_per_update=64",
+                "resources.trainer.nodes=1",
+            ],
+        }[name]
+    )
 
 
 def missing_simulator(name: str) -> Optional[str]:
@@ -87,11 +113,16 @@ def tiny_checkpoint(name: str, directory: Path) -> Path:
     from vlaslurm.spec.model_types import BackboneConfig
 
     spec = load_spec(EXPERIMENTS / f"{name}.yaml").spec
-    model = type(spec.model)(type=spec.model.type, action_chunk=spec.model.action_chunk,
-                             precision=spec.model.precision, backbone=BackboneConfig(**TINY_BACKBONE))
+    model = type(spec.model)(
+        type=spec.model.type,
+        action_chunk=spec.model.action_chunk,
+        precision=spec.model.precision,
+        backbone=BackboneConfig(**TINY_BACKBONE),
+    )
     action_dim, state_dim = DIMS[name]
-    policy = build_policy(model, action_dim=action_dim, state_dim=state_dim, image_size=IMAGE_SIZE,
-                          num_cameras=len(spec.env.obs.cameras))
+    policy = build_policy(
+        model, action_dim=action_dim, state_dim=state_dim, image_size=IMAGE_SIZE, num_cameras=len(spec.env.obs.cameras)
+    )
     policy.save_pretrained(str(directory / name))
     return directory / name
 
@@ -112,8 +143,10 @@ def jobs(local_slurm, tmp_path_factory) -> Dict[str, Union[Job, str]]:
 
 
 def logs_tail(job: Job) -> str:
-    return "\n".join(f"--- {p.relative_to(job.run_dir)}\n{p.read_text(errors='replace')[-1500:]}"
-                     for p in sorted(job.run_dir.glob("logs/**/*.log")))
+    return "\n".join(
+        f"--- {p.relative_to(job.run_dir)}\n{p.read_text(errors='replace')[-1500:]}"
+        for p in sorted(job.run_dir.glob("logs/**/*.log"))
+    )
 
 
 def check_completed(job: Job, name: str) -> pd.DataFrame:

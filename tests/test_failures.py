@@ -1,4 +1,5 @@
 """Failed episodes kept as GIFs (`vlaslurm.runtime.failures`): which segments, how many, what the file holds."""
+
 from __future__ import annotations
 
 import io
@@ -17,17 +18,44 @@ from vlaslurm.spec import load_spec
 from vlaslurm.tracking.follow import RunFollower
 
 
-def segment(traj_id: str, task: str = "reach", steps: int = 5, terminated: bool = False, truncated: bool = False,
-            success: bool = False, images: Optional[np.ndarray] = None, cams: int = 1, side: int = 16) -> Segment:
+def segment(
+    traj_id: str,
+    task: str = "reach",
+    steps: int = 5,
+    terminated: bool = False,
+    truncated: bool = False,
+    success: bool = False,
+    images: Optional[np.ndarray] = None,
+    cams: int = 1,
+    side: int = 16,
+) -> Segment:
     rng = np.random.default_rng(len(traj_id))
     if images is None:
         images = rng.integers(0, 256, (steps + 1, cams, side, side, 3), dtype=np.uint8)
     zeros = np.zeros((steps, 2), np.float32)
-    return Segment(traj_id=traj_id, env_id=0, episode=0, index=0, task=task, instruction="go", version=0,
-                   images=images, state=None, actions=np.zeros((steps, 2, 2), np.float32), logprob=zeros,
-                   value=np.zeros(steps, np.float32), rewards=zeros, mask=np.ones((steps, 2), bool),
-                   step_ids=np.arange(steps), versions=np.zeros(steps, np.int64), terminated=terminated,
-                   truncated=truncated, success=success, t_start=0.0, t_end=1.0)
+    return Segment(
+        traj_id=traj_id,
+        env_id=0,
+        episode=0,
+        index=0,
+        task=task,
+        instruction="go",
+        version=0,
+        images=images,
+        state=None,
+        actions=np.zeros((steps, 2, 2), np.float32),
+        logprob=zeros,
+        value=np.zeros(steps, np.float32),
+        rewards=zeros,
+        mask=np.ones((steps, 2), bool),
+        step_ids=np.arange(steps),
+        versions=np.zeros(steps, np.int64),
+        terminated=terminated,
+        truncated=truncated,
+        success=success,
+        t_start=0.0,
+        t_end=1.0,
+    )
 
 
 def frames(path: Path) -> tuple:
@@ -55,8 +83,11 @@ def test_keeper_keeps_only_failed_final_segments_with_images_up_to_the_limit(tmp
     assert kept == [tmp_path / "failures" / "reach" / "1-0-0.gif", tmp_path / "failures" / "reach" / "2-3-1.gif"]
     assert other == tmp_path / "failures" / "pick_up_the_cup" / "4-0-0.gif"  # free-text task names as folders
     written = sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "failures").rglob("*") if p.is_file())
-    assert written == ["failures/pick_up_the_cup/4-0-0.gif", "failures/reach/1-0-0.gif",
-                       "failures/reach/2-3-1.gif"]  # nothing else: no temporary file left behind
+    assert written == [
+        "failures/pick_up_the_cup/4-0-0.gif",
+        "failures/reach/1-0-0.gif",
+        "failures/reach/2-3-1.gif",
+    ]  # nothing else: no temporary file left behind
 
 
 def test_gif_holds_every_step_at_the_scaled_size(tmp_path: Path):
@@ -101,9 +132,12 @@ def test_follower_names_each_new_gif_once_and_never_a_file_being_written(tmp_pat
 
 def test_eval_keeps_the_frames_of_its_failed_episodes(tmp_path: Path):
     """The toy env renders images and a synthetic (random) policy fails most episodes."""
-    spec = {"name": "evtoy", "env": {"type": "toy", "num_envs": 2, "max_episode_steps": 12},
-            "model": {"type": "synthetic", "action_chunk": 2, "forward_ms": {"base": 0.0, "per_item": 0.0}},
-            "algo": {"type": "synthetic"}}
+    spec = {
+        "name": "evtoy",
+        "env": {"type": "toy", "num_envs": 2, "max_episode_steps": 12},
+        "model": {"type": "synthetic", "action_chunk": 2, "forward_ms": {"base": 0.0, "per_item": 0.0}},
+        "algo": {"type": "synthetic"},
+    }
     (tmp_path / "ev.yaml").write_text(yaml.safe_dump(spec))
     directory = evaluate(load_spec(tmp_path / "ev.yaml"), tmp_path / "runs", episodes=6, keep_failed=2)
     npz = sorted(p.stem for p in (directory / "failed").glob("*.npz"))

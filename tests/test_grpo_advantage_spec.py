@@ -1,10 +1,11 @@
 """`algo.advantage` of a GRPO spec reaches the learner: episode-level advantages are one value per
 episode, chunk-level ones vary along it."""
+
 from __future__ import annotations
 
 import torch
-
 from learner_helpers import rollout_segments, tiny_policy
+
 from vlaslurm.algos.batch import collate
 from vlaslurm.algos.learners import DataParallel, make_learner
 from vlaslurm.spec.algo_types import GRPOConfig

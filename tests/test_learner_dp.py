@@ -1,5 +1,6 @@
 """Trainer scale-out: one update on 2 gloo ranks (real torch.distributed, spawned processes) leaves the
 same parameters as one rank on the same global batch."""
+
 from __future__ import annotations
 
 import os
@@ -12,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from learner_helpers import rollout_segments, tiny_policy
+
 from vlaslurm.algos.batch import collate
 from vlaslurm.algos.learners import DataParallel, make_learner
 from vlaslurm.spec.algo_types import GRPOConfig, PPOConfig

@@ -10,6 +10,7 @@ benchmarks/learning_curves.py, where PPO async crossed 50% between 37k and 60k e
 stayed near 0.10-0.13 until 45k on its slowest seed (0.21 by 60k). 45k and 40k failed CI runs so.
 Success is the mean over the run's last progress reports (each over the episodes since the one before).
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from runtime_helpers import run_spec
+
 from vlaslurm.envs.toy import baseline_success
 
 pytestmark = pytest.mark.slow
@@ -31,15 +32,36 @@ GRPO_STEPS = 60_000
 def toy_spec(algo: dict, mode: str, total_env_steps: int) -> dict:
     return {
         "name": "learn",
-        "env": {"type": "toy", "num_envs": 64, "max_episode_steps": 24,
-                "obs": {"image_size": 32, "cameras": ["top"], "state": True}},
+        "env": {
+            "type": "toy",
+            "num_envs": 64,
+            "max_episode_steps": 24,
+            "obs": {"image_size": 32, "cameras": ["top"], "state": True},
+        },
         "model": {"type": "openvla-oft", "action_chunk": 4, "action_dim": 2},
-        "algo": {"lr": 3.0e-4, "steps_per_update": 2048, "epochs": 4, "minibatches": 4, "logprob_level": "action",
-                 **algo},
-        "rollout": {"mode": mode, "max_staleness": 1, "stale_policy": "hold", "weight_sync": "nccl",
-                    "total_env_steps": total_env_steps, "seed": 0, "batching": {"max_batch": 64, "max_wait_ms": 5}},
-        "resources": {"layout": "disaggregated", "simulator": {"nodes": 1}, "generator": {"nodes": 1},
-                      "trainer": {"nodes": 1}},
+        "algo": {
+            "lr": 3.0e-4,
+            "steps_per_update": 2048,
+            "epochs": 4,
+            "minibatches": 4,
+            "logprob_level": "action",
+            **algo,
+        },
+        "rollout": {
+            "mode": mode,
+            "max_staleness": 1,
+            "stale_policy": "hold",
+            "weight_sync": "nccl",
+            "total_env_steps": total_env_steps,
+            "seed": 0,
+            "batching": {"max_batch": 64, "max_wait_ms": 5},
+        },
+        "resources": {
+            "layout": "disaggregated",
+            "simulator": {"nodes": 1},
+            "generator": {"nodes": 1},
+            "trainer": {"nodes": 1},
+        },
         "runtime": {"first_meeting_timeout_s": 120, "timeout_s": 120},
     }
 

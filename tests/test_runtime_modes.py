@@ -5,6 +5,7 @@ record) and checks it against an independent record where one exists: the
 versions a sample was trained with against the generators' served record, the
 segments in the ledger against the simulators' shipped counts.
 """
+
 from __future__ import annotations
 
 import threading
@@ -14,12 +15,11 @@ from typing import Dict, List
 
 import numpy as np
 import pytest
+from runtime_helpers import RANKS_2, Run, overlaps, run_spec, served_versions, synthetic_spec
 
 from vlaslurm.envs import make_env, synthetic
 from vlaslurm.runtime.episodes import run_chunk
 from vlaslurm.spec.env_types import StepTimeConfig, SyntheticEnvConfig
-
-from runtime_helpers import RANKS_2, Run, overlaps, run_spec, served_versions, synthetic_spec
 
 MODES = {"sync": {}, "pipelined": {"pipeline_depth": 2}, "async": {"max_staleness": 1}}
 
@@ -51,8 +51,9 @@ def check_trained_versions(run: Run, max_staleness: int) -> int:
         for step in row.step_ids:
             versions = served.get((row.env_id, row.episode, int(step)))
             assert versions is not None, f"{row.traj_id} step {step} was never served"
-            assert versions == [row.behavior_version], f"{row.traj_id} step {step}: served {versions}, " \
-                                                       f"ledger says {row.behavior_version}"
+            assert versions == [row.behavior_version], (
+                f"{row.traj_id} step {step}: served {versions}, ledger says {row.behavior_version}"
+            )
         assert row.lag == row.consumed_version - row.behavior_version
         assert 0 <= row.lag <= max_staleness, row
     return len(used)
@@ -89,7 +90,7 @@ def test_ledger_has_one_row_per_segment_shipped(mode_runs: Dict[str, Run], mode:
     assert ledger.steps.sum() == sum(c["shipped_steps"] for c in sims) == sum(c["env_steps"] for c in sims)
     assert ledger.traj_id.is_unique
     # The (env, episode, segment) triples are unique too and tile each episode without gaps.
-    for (env_id, episode), rows in ledger.groupby(["env_id", "episode"]):
+    for (_env_id, _episode), rows in ledger.groupby(["env_id", "episode"]):
         assert sorted(rows.segment) == list(range(len(rows)))
 
 
@@ -131,8 +132,9 @@ def test_pipelined_sub_groups_step_side_by_side(mode_runs: Dict[str, Run]) -> No
     for sim in (0, 1):
         mine = [s for s in steps if s["rank"] == sim]
         first = [s for s in mine if s["g"] == 0]
-        side_by_side = sum(any(overlaps((a["t0"], a["t1"]), (b["t0"], b["t1"])) for b in mine if b["g"] == 1)
-                           for a in first)
+        side_by_side = sum(
+            any(overlaps((a["t0"], a["t1"]), (b["t0"], b["t1"])) for b in mine if b["g"] == 1) for a in first
+        )
         assert first and side_by_side >= 0.5 * len(first), (sim, side_by_side, len(first))
 
 
@@ -178,9 +180,11 @@ def test_slow_trainer_staleness_bound(tmp_path: Path) -> None:
     instead, and every used sample's lag stays <= 1 under both. Both runs go at once, so they share
     whatever else loads the machine: holding must drop far less than dropping (segments served within
     the budget can still arrive late, e.g. a long one shipped when its episode ends, so not always none)."""
+
     def one(policy: str) -> Run:
-        spec = synthetic_spec("async", steps_per_update=32, update_ms=150, total_env_steps=800,
-                              max_staleness=1, stale_policy=policy)
+        spec = synthetic_spec(
+            "async", steps_per_update=32, update_ms=150, total_env_steps=800, max_staleness=1, stale_policy=policy
+        )
         return run_spec(tmp_path, spec, name=policy)
 
     with ThreadPoolExecutor(2) as pool:
@@ -188,8 +192,8 @@ def test_slow_trainer_staleness_bound(tmp_path: Path) -> None:
     for run in runs.values():
         assert run.rc == 0
         check_trained_versions(run, max_staleness=1)
-    dropper, = runs["drop"].counters("trainer")
-    holder, = runs["hold"].counters("generator")
+    (dropper,) = runs["drop"].counters("trainer")
+    (holder,) = runs["hold"].counters("generator")
     assert dropper.get("dropped_segments", 0) > 0 and runs["drop"].ledger.dropped.sum() > 0
     assert holder.get("holds", 0) > 0 and holder.get("hold_s", 0) > 0
     dropped = {p: runs[p].ledger.dropped.mean() for p in runs}
@@ -208,15 +212,16 @@ def fast_env_rate(run: Run, slow_envs: set) -> float:
 
 
 @pytest.mark.parametrize("mode,expect_kept", [("async", True), ("sync", False)])
-def test_one_slow_environment_does_not_slow_the_others_in_async(tmp_path: Path, mode: str,
-                                                              expect_kept: bool) -> None:
+def test_one_slow_environment_does_not_slow_the_others_in_async(tmp_path: Path, mode: str, expect_kept: bool) -> None:
     """Async: the 7 fast envs keep >= 90% of their pace next to one 10x slower env. Sync (the control
     that shows the measure can fail): lock-step makes every env wait for the slow one.
 
     Both runs go at once, so that they share whatever else loads the machine."""
+
     def one(name: str, slow: dict) -> Run:
-        spec = synthetic_spec(mode, step_ms=10, total_env_steps=960 if mode == "async" else 320,
-                              steps_per_update=128, max_staleness=100)
+        spec = synthetic_spec(
+            mode, step_ms=10, total_env_steps=960 if mode == "async" else 320, steps_per_update=128, max_staleness=100
+        )
         spec["env"].update(slow)
         return run_spec(tmp_path, spec, name=name)
 

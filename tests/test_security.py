@@ -6,6 +6,7 @@ log them with the peer, count them, and the run finishes unharmed (no forged seg
 Meanwhile every rank's listening sockets (ZeroMQ, the TCPStore, gloo), read from /proc, are bound to
 its own address, none to every interface.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,9 @@ from pathlib import Path
 
 import msgpack
 import zmq
-
 from listen_helpers import is_wildcard, listening
 from runtime_helpers import run_spec, synthetic_spec, wait_for
+
 from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime.transport import Dealer, Message, Push
 
@@ -40,8 +41,20 @@ def test_wrong_or_missing_secret_is_refused_and_logged(tmp_path: Path) -> None:
         gen, trainer = member(run_dir, "generator"), member(run_dir, "trainer")
         sockets = {role: listening(member(run_dir, role)["pid"]) for role in ("simulator", "generator", "trainer")}
         wrong = os.urandom(32)
-        request = Message(msgs.OBS, {"env_ids": [0], "episodes": [0], "steps": [0], "seeds": [0], "instructions": ["x"],
-                                     "sub_group": 0, "min_version": 0, "sent_at": 0.0, "sim_rank": 0})
+        request = Message(
+            msgs.OBS,
+            {
+                "env_ids": [0],
+                "episodes": [0],
+                "steps": [0],
+                "seeds": [0],
+                "instructions": ["x"],
+                "sub_group": 0,
+                "min_version": 0,
+                "sent_at": 0.0,
+                "sim_rank": 0,
+            },
+        )
         with Dealer(wrong, identity=b"intruder", name="intruder") as dealer:
             dealer.connect(f"tcp://{gen['address']}:{gen['ports']['obs']}")
             dealer.send(request, timeout_ms=5000)
@@ -68,8 +81,8 @@ def test_wrong_or_missing_secret_is_refused_and_logged(tmp_path: Path) -> None:
     assert "dropped message from peer" in gen_log and "bad MAC" in gen_log
     assert "envelope lacks a signed header or a MAC" in gen_log
     assert "dropped message from peer" in trainer_log and "bad MAC" in trainer_log
-    generator, = run.counters("generator")
-    trainer_counters, = run.counters("trainer")
+    (generator,) = run.counters("generator")
+    (trainer_counters,) = run.counters("trainer")
     assert generator["rejected_messages"] >= 2 and trainer_counters["rejected_messages"] >= 1
     assert "forged" not in set(run.ledger.traj_id)
 

@@ -1,15 +1,16 @@
 """Site profiles: defaults under the spec with the site file's lines, lookup, GPU spelling, policy."""
+
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, vlaslurm
-from vlaslurm.slurm.plan import build_plan
+
 from vlaslurm.slurm.render import RenderOptions, render_script
 from vlaslurm.spec import SpecError, load_spec
+from vlaslurm.spec.plan import build_plan
 from vlaslurm.spec.sites import PACKAGE_SITES, available_sites, load_site, site_additions
 
 SPECS = REPO / "tests" / "specs"

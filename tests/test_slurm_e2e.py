@@ -5,6 +5,7 @@ wait has a deadline. The runs root has spaces, `$(...)`, backticks, `;`, a quote
 so these jobs also prove the script's quoting on real sbatch/srun. Every job and `plan --test-only`
 goes through the local cluster's site profile (vlaslurm/sites/local.yaml), as a user's would.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,13 +16,14 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
-
 from conftest import REPO, vlaslurm
 from slurm_helpers import DEADLINE_S, Job, submit, wait_done
-from vlaslurm.runtime.rundir import read_info
-from vlaslurm.slurm.plan import build_plan
-from vlaslurm.slurm.submit import exit_record, job_states
+
+from vlaslurm.rundir import exit_records as exit_record
+from vlaslurm.rundir import read_info
+from vlaslurm.slurm.submit import job_states
 from vlaslurm.spec import load_spec
+from vlaslurm.spec.plan import build_plan
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -41,8 +43,14 @@ def jobs(runs_root: Path) -> Dict[str, Job]:
     return {
         "3c": submit(runs_root, str(SPECS / "probe-3c.yaml"), "--probe"),
         "hybrid": submit(runs_root, str(SPECS / "probe-hybrid.yaml"), "--probe"),
-        "absent": submit(runs_root, str(SPECS / "probe-3c.yaml"), "runtime.first_meeting_timeout_s=15",
-                         "--probe", "--absent", "generator"),
+        "absent": submit(
+            runs_root,
+            str(SPECS / "probe-3c.yaml"),
+            "runtime.first_meeting_timeout_s=15",
+            "--probe",
+            "--absent",
+            "generator",
+        ),
     }
 
 
@@ -59,11 +67,13 @@ def check_probe_job(job: Job) -> List[dict]:
     ranks = read_info(job.run_dir).ranks
     probes = probe_records(job)
     assert sorted((p["role"], p["rank"]) for p in probes) == sorted(
-        (role, rank) for role, n in ranks.items() for rank in range(n))
+        (role, rank) for role, n in ranks.items() for rank in range(n)
+    )
     world = sum(ranks.values())
     assert all(p["sum"] == p["expected"] == world * (world + 1) / 2 for p in probes)
     for role, n in ranks.items():  # the worker wrote each rank's log under its real rank
-        assert sorted(p.name for p in (job.run_dir / "logs" / role).glob("[0-9]*.log")) == [f"{r}.log" for r in range(n)]
+        logs = sorted(p.name for p in (job.run_dir / "logs" / role).glob("[0-9]*.log"))
+        assert logs == [f"{r}.log" for r in range(n)]
     return probes
 
 
@@ -140,9 +150,16 @@ def test_fit_check_says_a_hetjob_needs_its_own_nodes(local_slurm, tmp_path: Path
 
 def test_cli_runs_status_logs_cancel(jobs: Dict[str, Job], runs_root: Path) -> None:
     # a long job: the generator never comes and the others would wait 300 s
-    long = submit(runs_root, str(SPECS / "probe-hybrid.yaml"), "resources.simulator.group=node0",
-                  "resources.generator.group=node0", "runtime.first_meeting_timeout_s=300", "--probe",
-                  "--absent", "generator")
+    long = submit(
+        runs_root,
+        str(SPECS / "probe-hybrid.yaml"),
+        "resources.simulator.group=node0",
+        "resources.generator.group=node0",
+        "runtime.first_meeting_timeout_s=300",
+        "--probe",
+        "--absent",
+        "generator",
+    )
     end = time.monotonic() + DEADLINE_S
     while "RUNNING" not in set(job_states(long.job_id).values()):
         assert time.monotonic() < end, f"job {long.job_id} never started"

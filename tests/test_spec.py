@@ -1,4 +1,5 @@
 """The spec loader: typed sections, extends, overrides, and errors that name field, file and line."""
+
 from __future__ import annotations
 
 import textwrap
@@ -77,10 +78,20 @@ BAD = [
     ("bad choice", BASE.replace("mode: sync", "mode: asnyc"), "rollout.mode", 5, ["async"]),
     ("missing type", BASE.replace("model: {type: synthetic}", "model: {path: x}"), "model.type", 3, ["openvla"]),
     ("nested list", BASE + "slurm:\n  setup: [[a]]\n", "slurm.setup[0]", 7, ["single value"]),
-    ("collocated async", BASE.replace("mode: sync", "mode: async")
-     + "resources: {layout: collocated}\n", "rollout.mode", 5, ["collocated"]),
-    ("too few envs", BASE + "resources:\n  simulator: {nodes: 2, tasks_per_node: 8}\n", "env.num_envs", 2,
-     ["simulator ranks"]),
+    (
+        "collocated async",
+        BASE.replace("mode: sync", "mode: async") + "resources: {layout: collocated}\n",
+        "rollout.mode",
+        5,
+        ["collocated"],
+    ),
+    (
+        "too few envs",
+        BASE + "resources:\n  simulator: {nodes: 2, tasks_per_node: 8}\n",
+        "env.num_envs",
+        2,
+        ["simulator ranks"],
+    ),
     ("bad time", BASE + "slurm: {time: forever}\n", "slurm.time", 6, ["12:00:00"]),
     ("bad name", BASE.replace("name: t", "name: 'a b;rm -rf'"), "name", 1, ["letters"]),
 ]

@@ -1,4 +1,5 @@
 """`vlaslurm status RUN`: each rank's last heartbeat, version and progress, and which role stalled."""
+
 from __future__ import annotations
 
 import json
@@ -6,10 +7,10 @@ import time
 from pathlib import Path
 
 import yaml
-
 from conftest import vlaslurm
-from vlaslurm.runtime import rundir
-from vlaslurm.runtime.status import describe_run, stalled_ranks
+
+from vlaslurm import rundir
+from vlaslurm.cli.runs import describe_run, stalled_ranks
 
 
 def fake_run(tmp_path: Path, beats: dict) -> rundir.RunInfo:
@@ -19,21 +20,29 @@ def fake_run(tmp_path: Path, beats: dict) -> rundir.RunInfo:
     (directory / "heartbeats").mkdir()
     for name, (age, version, progress) in beats.items():
         (directory / "heartbeats" / f"{name}.json").write_text(
-            json.dumps({"time": time.time() - age, "version": version, "progress": progress}))
-    (directory / "restarts.jsonl").write_text(json.dumps({"role": "simulator", "rank": 1, "restart": 1,
-                                                          "exit_code": -9}) + "\n")
-    info = rundir.RunInfo(name="st", run_dir=str(directory), kind="local",
-                          ranks={"trainer": 1, "generator": 1, "simulator": 2})
+            json.dumps({"time": time.time() - age, "version": version, "progress": progress})
+        )
+    (directory / "restarts.jsonl").write_text(
+        json.dumps({"role": "simulator", "rank": 1, "restart": 1, "exit_code": -9}) + "\n"
+    )
+    info = rundir.RunInfo(
+        name="st", run_dir=str(directory), kind="local", ranks={"trainer": 1, "generator": 1, "simulator": 2}
+    )
     rundir.write_info(info)
     rundir.append_index(tmp_path / "runs", info)
     return info
 
 
 def test_status_names_the_stalled_role(tmp_path: Path) -> None:
-    info = fake_run(tmp_path, {"trainer-0": (1, 7, "env_steps=900 waiting for data"),
-                               "generator-0": (2, 7, "served_steps=950"),
-                               "simulator-0": (1, 7, "env_steps=450"),
-                               "simulator-1": (95, 6, "env_steps=400")})
+    info = fake_run(
+        tmp_path,
+        {
+            "trainer-0": (1, 7, "env_steps=900 waiting for data"),
+            "generator-0": (2, 7, "served_steps=950"),
+            "simulator-0": (1, 7, "env_steps=450"),
+            "simulator-1": (95, 6, "env_steps=400"),
+        },
+    )
     text = describe_run(info)
     assert "state    RUNNING" in text
     assert "simulator-1" in text and "v6" in text and "env_steps=400" in text

@@ -1,5 +1,6 @@
 """Seeds and sweeps: one hetjob per combination under one sweep name (parsing here; real jobs on the
 local Slurm cluster, with the local site profile supplying partition, time and the h100 constraint)."""
+
 from __future__ import annotations
 
 import json
@@ -10,10 +11,10 @@ from typing import List, Tuple
 
 import pytest
 import yaml
-
 from conftest import vlaslurm
 from slurm_helpers import Job, wait_done
-from vlaslurm.runtime.rundir import list_runs
+
+from vlaslurm.rundir import list_runs
 from vlaslurm.slurm.submit import job_states
 from vlaslurm.slurm.sweep import combinations, parse_seeds, parse_sweep
 from vlaslurm.spec import SpecError
@@ -58,8 +59,17 @@ def test_combinations_are_the_cartesian_product() -> None:
 def test_a_bad_value_submits_nothing(tmp_path: Path) -> None:
     spec = tmp_path / "s.yaml"
     spec.write_text(SPEC)
-    proc = vlaslurm("submit", str(spec), "--site", "local", "--seeds", "0,1", "--sweep", "rollout.mode=async,fast",
-                    runs_root=tmp_path / "runs")
+    proc = vlaslurm(
+        "submit",
+        str(spec),
+        "--site",
+        "local",
+        "--seeds",
+        "0,1",
+        "--sweep",
+        "rollout.mode=async,fast",
+        runs_root=tmp_path / "runs",
+    )
     assert proc.returncode == 2 and "rollout.mode: must be one of" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "runs").exists()
 
@@ -110,12 +120,23 @@ def test_three_seed_sweep_runs_on_the_local_cluster(local_slurm, tmp_path: Path)
 @pytest.mark.slow
 def test_cancel_takes_a_sweep_name(local_slurm, tmp_path: Path) -> None:
     # long jobs: the generator never comes and the others would wait 300 s
-    root, job_ids, _ = submit_sweep(tmp_path, "runtime.first_meeting_timeout_s=300", "--seeds", "0-1",
-                                    "--sweep-name", "to-cancel", "--absent", "generator")
+    root, job_ids, _ = submit_sweep(
+        tmp_path,
+        "runtime.first_meeting_timeout_s=300",
+        "--seeds",
+        "0-1",
+        "--sweep-name",
+        "to-cancel",
+        "--absent",
+        "generator",
+    )
     _wait(lambda: all("RUNNING" in set(job_states(j).values()) for j in job_ids), "both jobs to start")
     cancel = vlaslurm("cancel", "to-cancel", runs_root=root)
     assert cancel.returncode == 0 and all(f"cancelled job {j}" in cancel.stdout for j in job_ids)
-    _wait(lambda: not any(set(job_states(j).values()) & {"RUNNING", "PENDING", "COMPLETING"} for j in job_ids),
-          "the cancelled jobs to end", 60)
+    _wait(
+        lambda: not any(set(job_states(j).values()) & {"RUNNING", "PENDING", "COMPLETING"} for j in job_ids),
+        "the cancelled jobs to end",
+        60,
+    )
     status = vlaslurm("status", "to-cancel", runs_root=root)
     assert status.stdout.count("CANCELLED") == 2

@@ -1,4 +1,5 @@
 """The toy reaching task: interface shapes, partial resets, seeding, and that language matters."""
+
 from __future__ import annotations
 
 import threading

@@ -4,6 +4,7 @@ absent or restarted server never stops or slows the run, and the buffer catches 
 The server runs with job execution off (its huey workers would cost two cores more) and
 one worker; it is started once per module (~20 s here) and restarted by the outage test.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,8 @@ import yaml
 from PIL import Image
 
 from vlaslurm.cli import main
+from vlaslurm.rundir import read_ledger
 from vlaslurm.runtime.failures import FRAME_MS
-from vlaslurm.runtime.ledger import read_ledger
 from vlaslurm.runtime.local import run_local
 from vlaslurm.spec import load_spec
 from vlaslurm.tracking import Tracker, read_run_id
@@ -32,12 +33,14 @@ from vlaslurm.tracking.buffer import Row, RowBuffer
 from vlaslurm.tracking.follow import RunFollower
 from vlaslurm.tracking.params import flatten
 
-SPEC = {"name": "trk",
-        "env": {"type": "synthetic", "num_envs": 8, "step_ms": {"dist": "constant", "mean": 5}, "episode_steps": 10},
-        "model": {"type": "synthetic", "action_chunk": 2},
-        "algo": {"type": "synthetic", "steps_per_update": 64, "update_ms": 10},
-        "rollout": {"mode": "async", "total_env_steps": 600},
-        "runtime": {"first_meeting_timeout_s": 60, "timeout_s": 30}}
+SPEC = {
+    "name": "trk",
+    "env": {"type": "synthetic", "num_envs": 8, "step_ms": {"dist": "constant", "mean": 5}, "episode_steps": 10},
+    "model": {"type": "synthetic", "action_chunk": 2},
+    "algo": {"type": "synthetic", "steps_per_update": 64, "update_ms": 10},
+    "rollout": {"mode": "async", "total_env_steps": 600},
+    "runtime": {"first_meeting_timeout_s": 60, "timeout_s": 30},
+}
 
 
 def free_port() -> int:
@@ -56,9 +59,20 @@ class MlflowServer:
         self.proc: Optional[subprocess.Popen] = None
 
     def start(self, timeout_s: float = 150) -> None:
-        cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port),
-               "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root / 'db.sqlite'}",
-               "--artifacts-destination", str(self.root / "artifacts")]
+        cmd = [
+            str(Path(sys.executable).parent / "mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{self.root / 'db.sqlite'}",
+            "--artifacts-destination",
+            str(self.root / "artifacts"),
+        ]
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
         with open(self.root / "server.log", "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -99,8 +113,9 @@ def client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
-def run(tmp: Path, name: str, *overrides: str, env: Optional[dict] = None, total: int = 600,
-        base: dict = SPEC) -> tuple:
+def run(
+    tmp: Path, name: str, *overrides: str, env: Optional[dict] = None, total: int = 600, base: dict = SPEC
+) -> tuple:
     """A real local run (every role a process) of `base`; returns (run dir, wall seconds)."""
     spec = tmp / f"{name}.yaml"
     spec.write_text(yaml.safe_dump({**base, "rollout": {**base["rollout"], "total_env_steps": total}}))
@@ -141,8 +156,11 @@ def test_buffer_is_bounded_and_counts_what_it_drops():
 def test_follower_reads_complete_lines_and_changed_counters(tmp_path):
     (tmp_path / "counters").mkdir()
     metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text(json.dumps({"env_steps": 64, "wall_s": 1.0, "rollout/success_rate": float("nan")}) + "\n"
-                       + '{"env_steps": 128, "wall')  # a line still being written
+    metrics.write_text(
+        json.dumps({"env_steps": 64, "wall_s": 1.0, "rollout/success_rate": float("nan")})
+        + "\n"
+        + '{"env_steps": 128, "wall'
+    )  # a line still being written
     (tmp_path / "counters" / "generator-0.json").write_text(json.dumps({"utilisation": 0.5, "note": "x"}))
     follower = RunFollower(tmp_path)
     rows = follower.poll()
@@ -182,8 +200,7 @@ def test_log_never_blocks_and_close_keeps_its_deadline(tmp_path, kind):
     if kind == "refused":
         hole.close()
     (tmp_path / "run.json").write_text(json.dumps({"name": "x", "created": time.time()}))
-    tracker = Tracker(tmp_path, f"http://127.0.0.1:{port}", "x", capacity=1000, request_timeout_s=1,
-                      poll_s=0.1).start()
+    tracker = Tracker(tmp_path, f"http://127.0.0.1:{port}", "x", capacity=1000, request_timeout_s=1, poll_s=0.1).start()
     t0 = time.monotonic()
     for i in range(20_000):
         tracker.log({"loss": float(i)}, i)
@@ -220,15 +237,30 @@ def test_run_logs_params_metrics_system_metrics_and_artifacts(server, tmp_path):
     history = c.get_metric_history(run_id, "env_steps")
     assert sorted(m.step for m in history) == [row["env_steps"] for row in lines]  # step = env steps
     assert all(m.timestamp > 0 for m in history)
-    for key in ("charts/SPS", "wall_s", "staleness/mean", "staleness/p99", "staleness/dropped_segments",
-                "trainer/update_s"):
+    for key in (
+        "charts/SPS",
+        "wall_s",
+        "staleness/mean",
+        "staleness/p99",
+        "staleness/dropped_segments",
+        "trainer/update_s",
+    ):
         assert len(c.get_metric_history(run_id, key)) == len(lines), key
     keys = set(got.data.metrics)
-    for key in ("system/generator-0/utilisation", "system/generator-0/queue_len_p50",
-                "system/generator-0/batch_size_mean", "system/generator-0/request_latency_s_p99",
-                "system/simulator-0/utilisation", "system/trainer-0/utilisation",
-                "ledger/lag_mean", "ledger/lag_p99", "ledger/lag_max", "ledger/dropped_segments",
-                "rollout/success_rate/synthetic", "tracking/dropped_rows"):
+    for key in (
+        "system/generator-0/utilisation",
+        "system/generator-0/queue_len_p50",
+        "system/generator-0/batch_size_mean",
+        "system/generator-0/request_latency_s_p99",
+        "system/simulator-0/utilisation",
+        "system/trainer-0/utilisation",
+        "ledger/lag_mean",
+        "ledger/lag_p99",
+        "ledger/lag_max",
+        "ledger/dropped_segments",
+        "rollout/success_rate/synthetic",
+        "tracking/dropped_rows",
+    ):
         assert key in keys, (key, sorted(keys))
     assert got.data.metrics["tracking/dropped_rows"] == 0
 
@@ -251,8 +283,14 @@ def test_server_stopped_mid_run_run_finishes_on_time_and_metrics_arrive(server, 
     run_dir = tmp_path / "outage"
 
     def go():
-        done["result"] = run(tmp_path, "outage", f"tracking.uri={server.uri}", "tracking.experiment=trk",
-                             env={"VLASLURM_TRACKING_CLOSE_S": "90"}, total=total)
+        done["result"] = run(
+            tmp_path,
+            "outage",
+            f"tracking.uri={server.uri}",
+            "tracking.experiment=trk",
+            env={"VLASLURM_TRACKING_CLOSE_S": "90"},
+            total=total,
+        )
         done["end"] = time.monotonic()
 
     thread = threading.Thread(target=go)
@@ -301,8 +339,15 @@ def test_failed_episodes_frames_are_logged_as_artifacts(server, tmp_path):
     """The toy env renders images; a synthetic (random) policy fails most episodes. Each task's first
     `tracking.failures_per_task` failed episodes reach MLflow as GIFs under failures/<task>/, once each."""
     toy = {**SPEC, "name": "trkfail", "env": {"type": "toy", "num_envs": 8, "max_episode_steps": 12}}
-    run_dir, _ = run(tmp_path, "failures", f"tracking.uri={server.uri}", "tracking.experiment=trk",
-                     "tracking.failures_per_task=2", base=toy, total=400)
+    run_dir, _ = run(
+        tmp_path,
+        "failures",
+        f"tracking.uri={server.uri}",
+        "tracking.experiment=trk",
+        "tracking.failures_per_task=2",
+        base=toy,
+        total=400,
+    )
     run_id = read_run_id(run_dir)
     assert run_id, (run_dir / "logs" / "trainer" / "0.log").read_text()[-3000:]
     local = sorted(p.name for p in (run_dir / "failures" / "reach").glob("*.gif"))
@@ -317,5 +362,5 @@ def test_failed_episodes_frames_are_logged_as_artifacts(server, tmp_path):
         assert im.format == "GIF" and im.n_frames >= 2 and im.info["duration"] >= FRAME_MS
     ledger = read_ledger(run_dir).set_index("traj_id")
     for name in local:  # each GIF is the end of an episode the ledger records as failed
-        row = ledger.loc[name[:-len(".gif")]]
+        row = ledger.loc[name[: -len(".gif")]]
         assert (row.terminated or row.truncated) and not row.success, row

@@ -8,14 +8,15 @@ their open segments, and the trainer has 32 buffered steps but no whole group: w
 for those waiting steps in the hold budget neither side moves, and the trainer stops after
 runtime.timeout_s naming the hold deadlock.
 """
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 import pytest
-
 from runtime_helpers import run_spec, synthetic_spec
+
 from vlaslurm.runtime.roles.trainer import check_starved, generator_states
 
 
@@ -24,11 +25,14 @@ def test_every_generator_holding_past_the_deadline_is_named() -> None:
         check_starved(121.0, 120.0, {"generator-0": "holding", "generator-1": "holding"})
 
 
-@pytest.mark.parametrize("silent, states", [
-    (30.0, {"generator-0": "holding"}),                                  # not yet past the deadline
-    (500.0, {"generator-0": "holding", "generator-1": "serving"}),       # someone still serves: slow, not stuck
-    (500.0, {}),                                                          # no heartbeat yet: nothing to conclude
-])
+@pytest.mark.parametrize(
+    "silent, states",
+    [
+        (30.0, {"generator-0": "holding"}),  # not yet past the deadline
+        (500.0, {"generator-0": "holding", "generator-1": "serving"}),  # someone still serves: slow, not stuck
+        (500.0, {}),  # no heartbeat yet: nothing to conclude
+    ],
+)
 def test_waiting_is_fine_otherwise(silent: float, states: dict) -> None:
     check_starved(silent, 120.0, states)
 
@@ -46,14 +50,29 @@ def test_states_come_from_the_generators_heartbeats(tmp_path: Path) -> None:
 def grpo_hold_spec(timeout_s: float) -> dict:
     return {
         "name": "holddl",
-        "env": {"type": "toy", "num_envs": 8, "max_episode_steps": 24,
-                "obs": {"image_size": 32, "cameras": ["top"], "state": True}},
+        "env": {
+            "type": "toy",
+            "num_envs": 8,
+            "max_episode_steps": 24,
+            "obs": {"image_size": 32, "cameras": ["top"], "state": True},
+        },
         "model": {"type": "openvla-oft", "action_chunk": 4, "action_dim": 2},
         "algo": {"type": "grpo", "group_size": 4, "steps_per_update": 32, "epochs": 1, "minibatches": 1},
-        "rollout": {"mode": "async", "max_staleness": 0, "stale_policy": "hold", "weight_sync": "nccl",
-                    "total_env_steps": 600, "seed": 0, "batching": {"max_batch": 64, "max_wait_ms": 5}},
-        "resources": {"layout": "disaggregated", "simulator": {"nodes": 1}, "generator": {"nodes": 1},
-                      "trainer": {"nodes": 1}},
+        "rollout": {
+            "mode": "async",
+            "max_staleness": 0,
+            "stale_policy": "hold",
+            "weight_sync": "nccl",
+            "total_env_steps": 600,
+            "seed": 0,
+            "batching": {"max_batch": 64, "max_wait_ms": 5},
+        },
+        "resources": {
+            "layout": "disaggregated",
+            "simulator": {"nodes": 1},
+            "generator": {"nodes": 1},
+            "trainer": {"nodes": 1},
+        },
         "runtime": {"first_meeting_timeout_s": 120, "timeout_s": timeout_s},
     }
 
@@ -76,10 +95,12 @@ def test_trainer_followers_outwait_a_phase_longer_than_their_group_timeout(tmp_p
     timeout_s) to arrive. Rank 1 waits in a collective for it: rank 0's keep-alives must carry it through, where gloo
     alone would fail it at the timeout."""
     first_s, timeout_s = 15, 5
-    spec = synthetic_spec("sync", num_envs=4, step_ms=600, episode_steps=200, steps_per_update=240,
-                          total_env_steps=240)
-    spec["runtime"] = {"first_meeting_timeout_s": first_s, "timeout_s": timeout_s,
-                       "local_ranks": {"trainer": 2, "generator": 1, "simulator": 1}}
+    spec = synthetic_spec("sync", num_envs=4, step_ms=600, episode_steps=200, steps_per_update=240, total_env_steps=240)
+    spec["runtime"] = {
+        "first_meeting_timeout_s": first_s,
+        "timeout_s": timeout_s,
+        "local_ranks": {"trainer": 2, "generator": 1, "simulator": 1},
+    }
     run = run_spec(tmp_path, spec, timeout_s=150)
     assert run.rc == 0, run.log("trainer", 1)[-1500:]
     first_update = min(u["t0"] for u in run.events("update", "trainer"))

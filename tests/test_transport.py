@@ -1,4 +1,5 @@
 """Transport and run secret: real ZeroMQ sockets on 127.0.0.1, real processes, forged messages."""
+
 from __future__ import annotations
 
 import logging
@@ -13,10 +14,22 @@ import numpy as np
 import pytest
 import zmq
 
-from vlaslurm.runtime.secret import SecretError, create_secret, ensure_secret, load_secret, secret_path
+from vlaslurm.rundir.secret import SecretError, create_secret, ensure_secret, load_secret, secret_path
 from vlaslurm.runtime.transport import (
-    Dealer, Message, PeerUnreachable, Poller, Pub, Pull, Push, Router, SendTimeout, Sub, WireError, bind_address,
-    decode, encode,
+    Dealer,
+    Message,
+    PeerUnreachable,
+    Poller,
+    Pub,
+    Pull,
+    Push,
+    Router,
+    SendTimeout,
+    Sub,
+    WireError,
+    bind_address,
+    decode,
+    encode,
 )
 
 KEY = bytes(range(32))
@@ -78,7 +91,11 @@ def test_frame_zero_is_a_versioned_msgpack_envelope() -> None:
     frames = encode(Message("x", {}, {"a": np.ones(3, np.float32)}), KEY)
     envelope = msgpack.unpackb(frames[0])
     assert envelope["v"] == 1 and len(envelope["mac"]) == 32
-    assert msgpack.unpackb(envelope["h"]) == {"kind": "x", "meta": {}, "arrays": [{"name": "a", "dtype": "<f4", "shape": [3]}]}
+    assert msgpack.unpackb(envelope["h"]) == {
+        "kind": "x",
+        "meta": {},
+        "arrays": [{"name": "a", "dtype": "<f4", "shape": [3]}],
+    }
     assert len(frames) == 2 and bytes(frames[1]) == np.ones(3, np.float32).tobytes()
 
 
@@ -166,8 +183,11 @@ def test_router_dealer_round_trip_across_processes() -> None:
 
 
 def test_forged_messages_are_dropped_counted_and_logged(transport_log: _Records) -> None:
-    with Router(KEY) as server, Dealer(b"x" * 32, identity=b"intruder") as forger, \
-            Dealer(KEY, identity=b"honest") as honest:
+    with (
+        Router(KEY) as server,
+        Dealer(b"x" * 32, identity=b"intruder") as forger,
+        Dealer(KEY, identity=b"honest") as honest,
+    ):
         endpoint = server.bind(LOOPBACK)
         raw = zmq.Context.instance().socket(zmq.DEALER)
         raw.setsockopt(zmq.LINGER, 0)
@@ -185,7 +205,7 @@ def test_forged_messages_are_dropped_counted_and_logged(transport_log: _Records)
             raw.close()
     assert got is not None and got[0] == b"honest" and got[1].meta == {"ok": True}
     assert server.rejected == 2
-    assert any("intruder".encode().hex() in m and "MAC" in m for m in transport_log.messages)
+    assert any(b"intruder".hex() in m and "MAC" in m for m in transport_log.messages)
     assert any(b"garbage".hex() in m and "envelope" in m for m in transport_log.messages)
 
 
@@ -213,8 +233,10 @@ def _push_trajectories(endpoint: str, key: bytes, worker: int, count: int) -> No
     with Push(key, name=f"sim{worker}") as push:
         push.connect(endpoint)
         for i in range(count):
-            push.send(Message("traj", {"worker": worker, "i": i}, {"reward": np.full(5, worker * 100 + i, np.float32)}),
-                      timeout_ms=10_000)
+            push.send(
+                Message("traj", {"worker": worker, "i": i}, {"reward": np.full(5, worker * 100 + i, np.float32)}),
+                timeout_ms=10_000,
+            )
 
 
 def test_push_pull_from_two_processes() -> None:

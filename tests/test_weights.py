@@ -1,4 +1,5 @@
 """Weight sync: broadcast over a real gloo group and atomic files, checked bit for bit."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -10,13 +11,19 @@ from typing import Any
 
 import pytest
 import torch
+from process_helpers import run_ranks
 
 from vlaslurm.runtime.weights import (
-    FilesystemPublisher, FilesystemSubscriber, WeightSyncError, WeightSyncTimeout, make_publisher, make_subscriber,
-    manifest_of, plan_buckets, wait_for_version,
+    FilesystemPublisher,
+    FilesystemSubscriber,
+    WeightSyncError,
+    WeightSyncTimeout,
+    make_publisher,
+    make_subscriber,
+    manifest_of,
+    plan_buckets,
+    wait_for_version,
 )
-
-from process_helpers import run_ranks
 
 PRELOAD = ("torch", "torch.distributed", "vlaslurm.runtime.weights")
 
@@ -47,7 +54,8 @@ def same_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bo
     if list(got) != list(want):
         return False
     return all(
-        g.dtype == w.dtype and g.shape == w.shape
+        g.dtype == w.dtype
+        and g.shape == w.shape
         and torch.equal(g.reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8))
         for g, w in ((got[k], want[k]) for k in want)
     )
@@ -60,7 +68,14 @@ def test_buckets_group_by_dtype_and_respect_the_size() -> None:
     manifest = manifest_of(make_state(1))
     buckets = plan_buckets(manifest, bucket_bytes=400)
     assert [b.names for b in buckets] == [
-        ("layer.weight",), ("big",), ("scale", "empty"), ("layer.bias",), ("half",), ("steps",), ("mask",), ("double",),
+        ("layer.weight",),
+        ("big",),
+        ("scale", "empty"),
+        ("layer.bias",),
+        ("half",),
+        ("steps",),
+        ("mask",),
+        ("double",),
     ]
     assert all(len({b.dtype}) == 1 for b in buckets)
     assert sum(len(b.names) for b in buckets) == len(manifest)
@@ -135,8 +150,9 @@ def _generator(run_dir: str, world: Any, rank: int) -> dict[str, Any]:
 
 
 def test_broadcast_delivers_exact_versions_and_names_a_missing_generator(tmp_path: Path) -> None:
-    trainer, gen0, gen1 = run_ranks(_broadcast_rank, preload=PRELOAD,
-                                    args=[(str(tmp_path), role, rank) for role, rank in KEYS])
+    trainer, gen0, gen1 = run_ranks(
+        _broadcast_rank, preload=PRELOAD, args=[(str(tmp_path), role, rank) for role, rank in KEYS]
+    )
     for gen in (gen0, gen1):
         assert gen["seen"] == [1, 2]  # lock-step: no generator skips a broadcast round
         assert gen["exact"] == [True, True]

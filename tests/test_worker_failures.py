@@ -5,6 +5,7 @@ Every check reads what the run recorded against an independent record: the train
 the versions the generators recorded serving (written before each reply), the ledger against an
 uninterrupted run of the same seed (sync mode redoes a restarted simulator's phase exactly).
 """
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,6 @@ from pathlib import Path
 from typing import List
 
 import pytest
-
 from runtime_helpers import Run, member_pid, run_spec, served_versions, synthetic_spec, wait_for
 
 RANKS = "runtime.local_ranks={simulator: 2, generator: 1, trainer: 1}"
@@ -29,12 +29,14 @@ def versions_done(run_dir: Path) -> int:
     return max((json.loads(line)["version"] for line in lines if line.strip()), default=0)
 
 
-def run_with_kill(tmp_path: Path, spec: dict, overrides: List[str], name: str, victim: tuple,
-                  after_version: int, delay_s: float = 0.0) -> Run:
+def run_with_kill(
+    tmp_path: Path, spec: dict, overrides: List[str], name: str, victim: tuple, after_version: int, delay_s: float = 0.0
+) -> Run:
     """Run `spec`; after `after_version` updates (+ `delay_s`), SIGKILL the worker process of `victim`."""
     result = {}
-    runner = threading.Thread(target=lambda: result.update(
-        run=run_spec(tmp_path, spec, overrides, name=name, timeout_s=120)))
+    runner = threading.Thread(
+        target=lambda: result.update(run=run_spec(tmp_path, spec, overrides, name=name, timeout_s=120))
+    )
     runner.start()
     run_dir = tmp_path / name
     try:
@@ -81,7 +83,7 @@ def test_killed_simulator_restarts_and_sync_redoes_its_phase_exactly(tmp_path: P
     killed = run_with_kill(tmp_path, spec, [RANKS], "killed", ("simulator", 1), after_version=3, delay_s=0.03)
     assert whole.rc == 0 and killed.rc == 0, killed.log("simulator", 1)[-3000:]
     assert [(r["role"], r["rank"], r["exit_code"]) for r in restarts(killed)] == [("simulator", 1, -9)]
-    trainer, = killed.counters("trainer")
+    (trainer,) = killed.counters("trainer")
     assert trainer["simulator_restarts"] == 1
     assert "discarded_segments" in trainer or trainer.get("discarded_steps", 0) == 0  # counted when there were any
     assert "restart 1 of 2" in killed.log("simulator", 1)
@@ -110,8 +112,9 @@ def test_random_kills_never_let_a_bad_sample_into_an_update(tmp_path: Path, seed
     spec = synthetic_spec(mode, total_env_steps=900, weight_sync="filesystem", **extra)
     spec["resources"] = {"simulator": {"max_restarts": 1}, "generator": {"max_restarts": 1}}
     victim = rng.choice([("simulator", 0), ("simulator", 1), ("generator", 0)])
-    run = run_with_kill(tmp_path, spec, [RANKS], f"chaos{seed}", victim, after_version=rng.randint(1, 6),
-                        delay_s=rng.uniform(0, 0.1))
+    run = run_with_kill(
+        tmp_path, spec, [RANKS], f"chaos{seed}", victim, after_version=rng.randint(1, 6), delay_s=rng.uniform(0, 0.1)
+    )
     assert run.rc == 0, (victim, run.log(victim[0], victim[1])[-3000:])
     assert len(restarts(run)) == 1
     audit(run, max_staleness=extra.get("max_staleness", 0))

@@ -2,6 +2,7 @@
 
 Level from $VLASLURM_LOG_LEVEL (default INFO).
 """
+
 from __future__ import annotations
 
 import logging

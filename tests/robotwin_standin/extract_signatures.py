@@ -5,6 +5,7 @@ RoboTwin clone with `python extract_signatures.py --git $(cat PINNED_COMMIT) > S
 `tests/test_env_robotwin.py` extracts the same lines from the stand-in under `root/` and requires
 them to be identical, so the stand-in cannot drift from the real API.
 """
+
 from __future__ import annotations
 
 import ast
@@ -14,8 +15,18 @@ from pathlib import Path
 from typing import Callable, List
 
 WANTED = {
-    "envs/_base_task.py": {"Base_Task": ["_init_task_env_", "play_once", "check_success", "get_obs", "take_action",
-                                         "close_env", "set_instruction", "get_instruction"]},
+    "envs/_base_task.py": {
+        "Base_Task": [
+            "_init_task_env_",
+            "play_once",
+            "check_success",
+            "get_obs",
+            "take_action",
+            "close_env",
+            "set_instruction",
+            "get_instruction",
+        ]
+    },
     "envs/beat_block_hammer.py": {"beat_block_hammer": ["setup_demo", "play_once", "check_success"]},
     "envs/lift_pot.py": {"lift_pot": ["setup_demo", "play_once", "check_success"]},
     "envs/utils/create_actor.py": {"UnStableError": []},
@@ -30,19 +41,26 @@ def extract(read: Callable[[str], str]) -> List[str]:
         tree = ast.parse(read(path))
         for cls, methods in classes.items():
             if cls is None:
-                lines += [f"{path}::{n.name}({ast.unparse(n.args)})" for n in tree.body
-                          if isinstance(n, ast.FunctionDef) and n.name in methods]
+                lines += [
+                    f"{path}::{n.name}({ast.unparse(n.args)})"
+                    for n in tree.body
+                    if isinstance(n, ast.FunctionDef) and n.name in methods
+                ]
                 continue
             node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
             lines.append(f"{path}::class {cls}({', '.join(ast.unparse(b) for b in node.bases)})")
-            lines += [f"{path}::{cls}.{item.name}({ast.unparse(item.args)})" for item in node.body
-                      if isinstance(item, ast.FunctionDef) and item.name in methods]
+            lines += [
+                f"{path}::{cls}.{item.name}({ast.unparse(item.args)})"
+                for item in node.body
+                if isinstance(item, ast.FunctionDef) and item.name in methods
+            ]
     return lines
 
 
 def from_git(commit: str) -> Callable[[str], str]:
-    return lambda path: subprocess.run(["git", "show", f"{commit}:{path}"], capture_output=True, text=True,
-                                       check=True).stdout
+    return lambda path: (
+        subprocess.run(["git", "show", f"{commit}:{path}"], capture_output=True, text=True, check=True).stdout
+    )
 
 
 def from_dir(root: Path) -> Callable[[str], str]:

@@ -1,4 +1,5 @@
 """RL maths as small pure torch functions: GAE, PPO and GRPO losses, off-policy corrections."""
+
 from vlaslurm.algos.gae import (
     action_level_gae,
     chunk_rewards,

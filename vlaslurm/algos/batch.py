@@ -4,10 +4,11 @@ Every tensor is [N, ...] over segments; time is padded to the longest segment
 (`step_valid` says which decision steps are real). Observations have T+1 rows:
 row `length` bootstraps the value unless the segment's episode terminated.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -27,7 +28,7 @@ class TrainBatch:
     def size(self) -> int:
         return len(self.instructions)
 
-    def to(self, device: torch.device) -> "TrainBatch":
+    def to(self, device: torch.device) -> TrainBatch:
         return TrainBatch({k: v.to(device) for k, v in self.tensors.items()}, self.instructions)
 
     def policy_input(self, rows: Tensor, cols: Tensor) -> PolicyInput:
@@ -105,40 +106,23 @@ def episode_layout(batch: TrainBatch, group_size: int) -> EpisodeLayout:
     E = len(keys)
     chunk = torch.div(t["step_ids"], chunk_size, rounding_mode="floor")
     last = torch.where(t["step_valid"], chunk, torch.full_like(chunk, -1)).amax(-1)  # [N]
-    ends = torch.zeros(E, dtype=torch.long, device=episode.device).scatter_reduce_(0, episode, last, "amax", include_self=False)
+    ends = torch.zeros(E, dtype=torch.long, device=episode.device).scatter_reduce_(
+        0, episode, last, "amax", include_self=False
+    )
     covered = torch.zeros(E, dtype=torch.long, device=episode.device).index_add_(0, episode, t["length"])
-    done = torch.zeros(E, dtype=torch.long, device=episode.device).index_add_(0, episode, (t["terminated"] | t["truncated"]).long()) > 0
+    ended = (t["terminated"] | t["truncated"]).long()
+    done = torch.zeros(E, dtype=torch.long, device=episode.device).index_add_(0, episode, ended) > 0
     success = torch.zeros(E, dtype=torch.long, device=episode.device).index_add_(0, episode, t["success"].long()) > 0
     complete = done & (covered == ends + 1)
-    _, group = torch.unique(torch.stack([torch.div(keys[:, 0], group_size, rounding_mode="floor"), keys[:, 1]], 1),
-                            dim=0, return_inverse=True)
-    members = torch.zeros(int(group.max()) + 1 if E else 0, dtype=torch.long, device=episode.device).index_add_(0, group, complete.long())
+    _, group = torch.unique(
+        torch.stack([torch.div(keys[:, 0], group_size, rounding_mode="floor"), keys[:, 1]], 1),
+        dim=0,
+        return_inverse=True,
+    )
+    groups = int(group.max()) + 1 if E else 0
+    members = torch.zeros(groups, dtype=torch.long, device=episode.device).index_add_(0, group, complete.long())
     usable = complete & (members[group] == group_size)
     return EpisodeLayout(episode, chunk, group, success, usable, int(ends.max()) + 1 if E else 0)
-
-
-def complete_groups(segments: Sequence, group_size: int) -> Tuple[List, List]:
-    """Split runtime segments into those whose whole group has ended and the rest, each in the given order.
-
-    A group is `group_size` episodes, one per environment `env_id // group_size`, with the same episode
-    number (see `episode_layout`); it is complete when each of its episodes has all of its segments
-    (numbered 0..k, the last one ending the episode). GRPO in async mode trains on complete groups only.
-    """
-    parts: Dict[tuple, List[int]] = {}  # (env_id, episode) -> [segments seen, index of the ending segment]
-    for seg in segments:
-        seen = parts.setdefault((seg.env_id, seg.episode), [0, -1])
-        seen[0] += 1
-        if seg.terminated or seg.truncated:
-            seen[1] = seg.index
-    ended: Dict[tuple, int] = {}
-    for (env_id, episode), (count, last) in parts.items():
-        if last >= 0 and count == last + 1:
-            key = (env_id // group_size, episode)
-            ended[key] = ended.get(key, 0) + 1
-    whole, rest = [], []
-    for seg in segments:
-        (whole if ended.get((seg.env_id // group_size, seg.episode), 0) == group_size else rest).append(seg)
-    return whole, rest
 
 
 def encode_strings(strings: List[str]) -> Tensor:

@@ -1,27 +1,12 @@
 """Generalised advantage estimation over decision steps and action chunks.
 
-Conventions (all tensors are time-major, ``[T, N]`` = steps x env instances):
-
-* ``rewards[t]``      reward received for decision step ``t``.
-* ``values[t]``       V(s_t), the value of the observation the step acted on.
-* ``next_values[t]``  V of the observation *after* step ``t``. For a done step that is the
-                      final observation of the episode (before the partial reset), so
-                      truncated episodes can bootstrap from it. For the last step of a
-                      rollout that is not done it is V(s_T).
-* ``terminated[t]``   the episode ended for good: no bootstrap.
-* ``truncated[t]``    a time limit cut the episode: bootstrap from ``next_values[t]``.
-
-Either flag cuts the recursion (the env resets after the step), so an advantage never
-mixes rewards of two episodes.
-
-A policy forward emits a chunk of ``C`` actions executed open-loop. Two granularities:
-
-* chunk level: one decision step per chunk. ``chunk_rewards`` folds the ``C`` per-action
-  rewards into one discounted reward and returns the discount ``gamma**n_valid`` for the
-  step, which ``compute_gae`` takes as a per-step ``gamma``. ``lam`` is applied once per
-  decision step (not per env step): it is a knob over decisions, not over physics.
-* action level: every action is its own step with its own value, see ``action_level_gae``.
+Tensors are time-major, ``[T, N]`` = steps x env instances: ``rewards``, ``values`` (V(s_t)),
+``next_values`` (V after step t; for a done step the episode's final observation, so truncated
+episodes bootstrap), ``terminated`` (no bootstrap) and ``truncated`` (bootstrap); either flag cuts
+the recursion. Chunk level: one decision step per chunk (`chunk_rewards`, `compute_gae`); action
+level: one step per action (`action_level_gae`). Details: docs/algorithms.md
 """
+
 from __future__ import annotations
 
 from typing import Tuple, Union

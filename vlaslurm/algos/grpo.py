@@ -3,6 +3,7 @@
 Trajectories are batch-major here: ``[N, T]`` = trajectories x decision steps (chunks),
 with ``group_ids[N]`` any integers (groups need not be contiguous nor the same size).
 """
+
 from __future__ import annotations
 
 from typing import Tuple
@@ -38,9 +39,7 @@ def group_advantages(returns: Tensor, group_ids: Tensor, eps: float = 1e-6) -> T
     return _group_normalise(returns, group_ids, torch.ones_like(returns, dtype=torch.bool), eps)
 
 
-def group_advantages_per_step(
-    returns: Tensor, group_ids: Tensor, mask: Tensor, eps: float = 1e-6
-) -> Tensor:
+def group_advantages_per_step(returns: Tensor, group_ids: Tensor, mask: Tensor, eps: float = 1e-6) -> Tensor:
     """Per-decision-step GRPO advantage ``[N, T]``.
 
     ``returns[n, t]`` is trajectory ``n``'s return from step ``t`` on (see ``reward_to_go``);
@@ -74,9 +73,7 @@ def success_filter_mask(success: Tensor, group_ids: Tensor, low: float, high: fl
     _, inverse = torch.unique(group_ids, return_inverse=True)
     n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
     s = success.to(torch.float64)
-    count = torch.zeros(n_groups, dtype=torch.float64, device=s.device).index_add_(
-        0, inverse, torch.ones_like(s)
-    )
+    count = torch.zeros(n_groups, dtype=torch.float64, device=s.device).index_add_(0, inverse, torch.ones_like(s))
     rate = (torch.zeros_like(count).index_add_(0, inverse, s) / count)[inverse]
     return (rate >= low) & (rate <= high)
 
@@ -100,7 +97,4 @@ def grpo_policy_loss(
     For stale samples use ``offpolicy.policy_loss(..., reduction="sequence")`` instead.
     """
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
-    return ppo_policy_loss(
-        new_logprob, old_logprob, adv, clip_low, clip_high, mask, reduction="sequence"
-    )
-
+    return ppo_policy_loss(new_logprob, old_logprob, adv, clip_low, clip_high, mask, reduction="sequence")

@@ -1,20 +1,15 @@
-"""Learners: turn a TrainBatch into one policy update (`algo.type`: ppo, grpo, synthetic).
+"""Learners: turn a TrainBatch into one policy update, one class per `algo.type` in `LEARNERS`.
 
-Data parallel: every trainer rank holds the whole batch, takes its shard of each
-minibatch and scales its loss so that the sum over ranks is the loss of the whole
-minibatch (each mean is divided by the minibatch's global count, not the shard's);
-gradients are summed across ranks. The result equals a single rank's update on
-the same global batch (tests/test_learner_dp.py).
-
-The unit of a minibatch is a decision step (one observation, one action chunk);
-`algo.logprob_level` says whether the policy ratio is per chunk (the chunk's
-log-probs summed) or per executed action (every action carries its chunk's
-advantage; actions after an episode ended inside a chunk are masked).
+Data parallel: every trainer rank holds the whole batch, takes its shard of each minibatch and
+scales its loss so that the summed gradients equal one rank's update on the whole batch. A
+minibatch's unit is a decision step; `algo.logprob_level` sets the ratio per chunk or per action.
+Details: docs/algorithms.md
 """
+
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Protocol, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -26,6 +21,10 @@ from vlaslurm.algos.grpo import group_advantages, group_advantages_per_step, rew
 from vlaslurm.algos.offpolicy import policy_loss
 from vlaslurm.algos.ppo import explained_variance, masked_mean
 from vlaslurm.spec.algo_types import GRPO_ADVANTAGES, AlgoConfig, GRPOConfig, PPOConfig, SyntheticAlgoConfig
+from vlaslurm.spec.registry import Registry
+
+if TYPE_CHECKING:
+    from vlaslurm.models.base import Policy
 
 Stats = Dict[str, List[float]]
 
@@ -35,6 +34,11 @@ class Learner(Protocol):
         """One policy update on `batch` (every data-parallel rank calls it with the same batch)."""
 
 
+# The learner class of each algo.type (its config class is registered in vlaslurm/spec/algo_types.py),
+# built as `cls(cfg, policy, dp, seed)`.
+LEARNERS: Registry[Callable[..., Learner]] = Registry("algo", "learner")
+
+
 class DataParallel:
     """This rank's place among the trainer ranks (a no-op with one rank)."""
 
@@ -42,7 +46,7 @@ class DataParallel:
         self.group, self.rank, self.size = group, rank, size
 
     def shard(self, index: Tensor) -> Tensor:
-        return index[self.rank:: self.size]
+        return index[self.rank :: self.size]
 
     def sum_grads(self, params: List[nn.Parameter]) -> None:
         if self.size == 1:
@@ -65,9 +69,9 @@ def evaluate_all(policy: nn.Module, batch: TrainBatch, values: bool, chunk: int 
     obs_valid = torch.arange(last, device=out_values.device)[None] <= t["length"][:, None] - (0 if values else 1)
     rows, cols = obs_valid.nonzero(as_tuple=True)
     for start in range(0, len(rows), chunk):
-        r, c = rows[start:start + chunk], cols[start:start + chunk]
+        r, c = rows[start : start + chunk], cols[start : start + chunk]
         acting = c < t["length"][r]
-        out = policy.evaluate(batch.policy_input(r, c), t["actions"][r, c.clamp(max=T - 1)])
+        out = cast("Policy", policy).evaluate(batch.policy_input(r, c), t["actions"][r, c.clamp(max=T - 1)])
         out_values[r, c] = out.value.float()
         prox[r[acting], c[acting]] = out.logprob.float()[acting]
     return out_values, prox
@@ -83,8 +87,16 @@ class PolicyStep:
         self.params = [p for p in policy.parameters() if p.requires_grad]
         self.opt = torch.optim.Adam(self.params, lr=cfg.lr, eps=1e-5)
 
-    def __call__(self, batch: TrainBatch, rows: Tensor, cols: Tensor, adv: Tensor, prox: Tensor, stats: Stats,
-                 extra: Optional[Callable[[Tensor, Tensor, Tensor], Tensor]] = None) -> None:
+    def __call__(
+        self,
+        batch: TrainBatch,
+        rows: Tensor,
+        cols: Tensor,
+        adv: Tensor,
+        prox: Tensor,
+        stats: Stats,
+        extra: Optional[Callable[[Tensor, Tensor, Tensor], Tensor]] = None,
+    ) -> None:
         """`adv` [N, T] per decision step; `extra(values, rows, cols)` returns a summed (not averaged) loss."""
         t = batch.tensors
         chunk_level = self.cfg.logprob_level == "chunk"
@@ -93,21 +105,32 @@ class PolicyStep:
         n_actions = int(t["mask"][rows, cols].sum())
         n_ratio = n_steps if chunk_level else n_actions
         rows, cols = self.dp.shard(rows), self.dp.shard(cols)
-        out = self.policy.evaluate(batch.policy_input(rows, cols), t["actions"][rows, cols])
+        out = cast("Policy", self.policy).evaluate(batch.policy_input(rows, cols), t["actions"][rows, cols])
         mask = t["mask"][rows, cols]
         a = adv[rows, cols]
         behaviour, proximal = t["logprob"][rows, cols], prox[rows, cols]
         if chunk_level:
+
             def level(x: Tensor) -> Tensor:
                 return torch.where(mask, x, torch.zeros_like(x)).sum(-1)
+
             new, old, proximal, lmask = level(out.logprob), level(behaviour), level(proximal), None
             local = len(rows)
         else:  # action and token level: one ratio per executed action
             new, old, lmask = out.logprob, behaviour, mask
             a = expand_chunk(a, mask.shape[-1])
             local = int(mask.sum())
-        pg, pg_stats = policy_loss(new, proximal, old, a, self.cfg.clip[0], self.cfg.clip[1],
-                                   self.cfg.offpolicy_correction, self.cfg.tis_cap, lmask)
+        pg, pg_stats = policy_loss(
+            new,
+            proximal,
+            old,
+            a,
+            self.cfg.clip[0],
+            self.cfg.clip[1],
+            self.cfg.offpolicy_correction,
+            self.cfg.tis_cap,
+            lmask,
+        )
         entropy = masked_mean(out.entropy, mask)
         # Means over this shard -> its part of the minibatch mean (exact under data parallelism).
         share, entropy_share = local / max(n_ratio, 1), int(mask.sum()) / max(n_actions, 1)
@@ -131,14 +154,17 @@ def _mean_stats(stats: Stats) -> Dict[str, float]:
     return {k: sum(v) / len(v) for k, v in stats.items()}
 
 
+@LEARNERS.register("ppo")
 class PPOLearner:
     """PPO with chunk-level GAE, a shared-backbone value head, and decoupled-PPO / truncated-IS
     correction for stale samples. Advantages are normalised over the whole batch."""
 
     def __init__(self, cfg: PPOConfig, policy: nn.Module, dp: DataParallel, seed: int) -> None:
         if cfg.value_level != "chunk":
-            raise NotImplementedError("algo.value_level 'action' needs a value per action of the chunk; the "
-                                      "policies here have one value per observation: use value_level: chunk")
+            raise NotImplementedError(
+                "algo.value_level 'action' needs a value per action of the chunk; the "
+                "policies here have one value per observation: use value_level: chunk"
+            )
         self.cfg, self.policy, self.dp, self.seed = cfg, policy, dp, seed
         self.step = PolicyStep(cfg, policy, dp, cfg.entropy_coef)
         self.opt = self.step.opt  # checkpoints save and restore it
@@ -153,8 +179,9 @@ class PPOLearner:
         padded = ~t["step_valid"]
         terminated = (last & t["terminated"][:, None]) | padded
         truncated = last & ~t["terminated"][:, None]
-        adv, ret = compute_gae(reward.T, values[:, :T].T, values[:, 1:].T, terminated.T, truncated.T,
-                               discount.T, self.cfg.gae_lambda)
+        adv, ret = compute_gae(
+            reward.T, values[:, :T].T, values[:, 1:].T, terminated.T, truncated.T, discount.T, self.cfg.gae_lambda
+        )
         return adv.T, ret.T
 
     def update(self, batch: TrainBatch, version: int) -> Dict[str, float]:
@@ -180,6 +207,7 @@ class PPOLearner:
         return out
 
 
+@LEARNERS.register("grpo")
 class GRPOLearner:
     """GRPO: no critic; advantages relative to the other rollouts of the same task and initial state.
 
@@ -198,11 +226,10 @@ class GRPOLearner:
     trajectories: every episode weighs the same whatever its length.
     """
 
-    def __init__(self, cfg: GRPOConfig, policy: nn.Module, dp: DataParallel, seed: int,
-                 advantage: str = "chunk") -> None:
-        if advantage not in GRPO_ADVANTAGES:
-            raise ValueError(f"GRPO advantage must be one of {GRPO_ADVANTAGES}, got {advantage!r}")
-        self.cfg, self.policy, self.dp, self.seed, self.advantage = cfg, policy, dp, seed, advantage
+    def __init__(self, cfg: GRPOConfig, policy: nn.Module, dp: DataParallel, seed: int) -> None:
+        if cfg.advantage not in GRPO_ADVANTAGES:
+            raise ValueError(f"algo.advantage must be one of {', '.join(GRPO_ADVANTAGES)}, got {cfg.advantage!r}")
+        self.cfg, self.policy, self.dp, self.seed, self.advantage = cfg, policy, dp, seed, cfg.advantage
         self.step = PolicyStep(cfg, policy, dp, cfg.entropy_coef)
         self.opt = self.step.opt
 
@@ -234,22 +261,29 @@ class GRPOLearner:
         # episode weighs the same (the mean over ratios in the minibatch divides by their total count).
         per_step = t["mask"].sum(-1).to(adv.dtype) if self.cfg.logprob_level != "chunk" else torch.ones_like(adv)
         counts = torch.zeros(E, dtype=adv.dtype, device=adv.device).index_add_(
-            0, lay.episode[rows], torch.where(used[rows, cols], per_step[rows, cols], torch.zeros_like(adv[rows, cols])))
+            0, lay.episode[rows], torch.where(used[rows, cols], per_step[rows, cols], torch.zeros_like(adv[rows, cols]))
+        )
         kept = int((keep & (counts > 0)).sum())
         total = float(torch.where(used, per_step, torch.zeros_like(per_step)).sum())
         weight = torch.zeros_like(adv)
         weight[rows, cols] = total / (kept * counts[e].clamp(min=1)) if kept else 0.0
-        info = {"grpo/groups": float(len(torch.unique(lay.group[lay.usable]))),
-                "grpo/episodes_used": float(kept), "grpo/episodes_dropped": float(E - kept),
-                "grpo/success_rate": float(lay.success[lay.usable].float().mean()) if lay.usable.any() else float("nan")}
+        info = {
+            "grpo/groups": float(len(torch.unique(lay.group[lay.usable]))),
+            "grpo/episodes_used": float(kept),
+            "grpo/episodes_dropped": float(E - kept),
+            "grpo/success_rate": (float(lay.success[lay.usable].float().mean()) if lay.usable.any() else float("nan")),
+        }
         return adv * weight, used, info
 
     def update(self, batch: TrainBatch, version: int) -> Dict[str, float]:
         adv, used, info = self.advantages(batch)
         if not used.any():
             return info
-        prox = evaluate_all(self.policy, batch, values=False)[1] if self.cfg.offpolicy_correction == "decoupled" \
+        prox = (
+            evaluate_all(self.policy, batch, values=False)[1]
+            if self.cfg.offpolicy_correction == "decoupled"
             else batch.tensors["logprob"]
+        )
         rows, cols = used.nonzero(as_tuple=True)
         gen = torch.Generator().manual_seed(self.seed * 100003 + version)
         stats: Stats = {}
@@ -259,10 +293,11 @@ class GRPOLearner:
         return {**_mean_stats(stats), **info}
 
 
+@LEARNERS.register("synthetic")
 class SyntheticLearner:
     """Sleeps `update_ms` and nudges the weights, so every version is distinct."""
 
-    def __init__(self, cfg: SyntheticAlgoConfig, policy: nn.Module) -> None:
+    def __init__(self, cfg: SyntheticAlgoConfig, policy: nn.Module, dp: DataParallel, seed: int) -> None:
         self.cfg, self.policy = cfg, policy
 
     def update(self, batch: TrainBatch, version: int) -> Dict[str, float]:
@@ -274,11 +309,5 @@ class SyntheticLearner:
 
 
 def make_learner(cfg: AlgoConfig, policy: nn.Module, dp: DataParallel, seed: int) -> Learner:
-    """The learner of `algo.type`."""
-    if cfg.type == "ppo":
-        return PPOLearner(cfg, policy, dp, seed)
-    if cfg.type == "grpo":
-        return GRPOLearner(cfg, policy, dp, seed, cfg.advantage)
-    if cfg.type == "synthetic":
-        return SyntheticLearner(cfg, policy)
-    raise NotImplementedError(f"algo.type {cfg.type!r} has no learner; available: ppo, grpo, synthetic")
+    """The learner of `algo.type` (`LEARNERS`)."""
+    return LEARNERS.get(cfg.type)(cfg, policy, dp, seed)

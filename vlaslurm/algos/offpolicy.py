@@ -1,24 +1,12 @@
 """Policy losses for stale samples: the generator's policy lags the learner's.
 
-Three log-probs of the same actions take part:
-
-* ``behaviour``: from the policy that sampled them (recorded by the generator).
-* ``proximal``:  from the learner's weights at the start of this update, before any
-  gradient step (recomputed by the trainer, no grad).
-* ``new``:       from the weights being optimised (with grad).
-
-Corrections (``AlgoConfig.offpolicy_correction``):
-
-* ``none``: standard PPO, ratio ``new / behaviour`` clipped. The trust region is then
-  centred on a policy that may be several versions old.
-* ``decoupled``: decoupled PPO (Hilton et al., 2022, "Batch size-invariance for policy
-  optimization"): clip ``new / proximal``, so the trust region is centred on the current
-  policy, and weight each sample by ``min(proximal / behaviour, tis_cap)`` so the
-  objective is still an expectation under the current policy. The cap bounds variance.
-* ``tis``: truncated importance-sampling policy gradient (IMPALA-style), no proximal
-  recompute and no clip: gradient ``min(new / behaviour, tis_cap) * A * grad log new``.
-  Cheapest, but with several epochs nothing but the cap limits how far the policy moves.
+Three log-probs of the same actions: ``behaviour`` (the sampling policy, from the generator),
+``proximal`` (the learner's weights at the start of the update, no grad) and ``new`` (with grad).
+Corrections (``AlgoConfig.offpolicy_correction``): ``none`` (PPO on ``new / behaviour``),
+``decoupled`` (decoupled PPO: clip ``new / proximal``, weight by ``min(proximal / behaviour,
+tis_cap)``) and ``tis`` (truncated importance sampling, no clip). Details: docs/algorithms.md
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple

@@ -4,6 +4,7 @@ Losses are minimised: ``loss = policy_loss + value_coef * value_loss - entropy_c
 Stats are detached 0-dim tensors keyed by cleanrl's metric names; call ``.item()`` when
 logging so the update loop does not sync the device once per minibatch.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Optional, Tuple

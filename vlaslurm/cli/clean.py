@@ -8,19 +8,24 @@ metrics, exit record and (unless told) logs, so `status`, `compare` and the note
 still work. A run is touched only when it has finished (COMPLETED, FAILED, CANCELLED,
 or UNKNOWN with nothing written for an hour): never a running, pending or requeued one.
 """
+
 from __future__ import annotations
 
+import argparse
 import re
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, List, Optional
 
-from vlaslurm.runtime.rundir import RunInfo
+from vlaslurm.cli.common import UserError, add_command, console, resolve_all, runs_root
+from vlaslurm.rundir import RunDir, RunInfo, exit_records, layout, list_runs
+from vlaslurm.slurm.state import run_state
 
-FREED_DIRS = ("weights", "events", "rendezvous")
-_CHECKPOINT = re.compile(r"^v(\d{8,})$")
+FREED_DIRS = layout.FREED_BY_CLEAN
+_CHECKPOINT = layout.CHECKPOINT_NAME
 FINISHED = ("COMPLETED", "FAILED", "CANCELLED")
 QUIET_S = 3600.0  # an UNKNOWN run counts as finished after this long without a write
 
@@ -66,27 +71,25 @@ def last_write(run_dir: Path) -> float:
 
 def ended_at(info: RunInfo) -> float:
     """When the run ended (its exit record's job line), else when anything was last written."""
-    from vlaslurm.slurm.submit import exit_record
-
-    ends = [float(r["end"]) for r in exit_record(Path(info.run_dir)) if r.get("step") == "job"]
+    ends = [float(r["end"]) for r in exit_records(Path(info.run_dir)) if r.get("step") == "job"]
     return ends[-1] if ends else last_write(Path(info.run_dir))
 
 
 def items(info: RunInfo, keep_checkpoints: Optional[int] = None, logs: bool = False) -> List[Item]:
     """What `clean` would delete in one run directory."""
     run_dir = Path(info.run_dir)
-    found = [Item(run_dir / name, du(run_dir / name), name + "/") for name in FREED_DIRS
-             if (run_dir / name).is_dir()]
-    checkpoints = run_dir / "checkpoints"
+    found = [Item(run_dir / name, du(run_dir / name), name + "/") for name in FREED_DIRS if (run_dir / name).is_dir()]
+    checkpoints = RunDir(run_dir).checkpoints
     if checkpoints.is_dir():
         found += [Item(p, du(p), "unfinished checkpoint") for p in sorted(checkpoints.glob(".tmp-*"))]
         if keep_checkpoints is not None:
-            complete = sorted((p for p in checkpoints.iterdir() if _CHECKPOINT.match(p.name)),
-                              key=lambda p: int(_CHECKPOINT.match(p.name).group(1)))
+            numbered = [(int(m.group(1)), p) for p in checkpoints.iterdir() if (m := _CHECKPOINT.match(p.name))]
+            complete = [p for _, p in sorted(numbered, key=lambda item: item[0])]
             old = complete[: max(0, len(complete) - keep_checkpoints)]
             found += [Item(p, du(p), f"checkpoint beyond the newest {keep_checkpoints}") for p in old]
-    if logs and (run_dir / "logs").is_dir():
-        found.append(Item(run_dir / "logs", du(run_dir / "logs"), "logs/ (--logs)"))
+    logs_dir = RunDir(run_dir).logs
+    if logs and logs_dir.is_dir():
+        found.append(Item(logs_dir, du(logs_dir), "logs/ (--logs)"))
     return found
 
 
@@ -121,11 +124,10 @@ def human(size: float) -> str:
     return f"{size} B"
 
 
-def register(subparsers) -> None:
+def register(sub) -> None:
     """Add `clean` to the `vlaslurm` command line."""
     text = "free disk space from finished runs (weights/, events/, rendezvous/, old checkpoints)"
-    p = subparsers.add_parser("clean", help=text, description=text + "; never touches a running run")
-    p.set_defaults(func=cmd_clean)
+    p = add_command(sub, "clean", cmd_clean, text, text + "; never touches a running run")
     p.add_argument("run", nargs="?", help="run directory, run name, job id or sweep name (all its runs)")
     p.add_argument("--older-than", metavar="AGE", help="every finished run that ended more than AGE ago (30m, 12h, 7d)")
     p.add_argument("--keep-checkpoints", type=int, metavar="N", help="also delete all checkpoints but the newest N")
@@ -134,26 +136,20 @@ def register(subparsers) -> None:
     p.add_argument("--yes", "-y", action="store_true", help="delete without asking")
 
 
-def cmd_clean(args) -> int:
+def cmd_clean(args: argparse.Namespace) -> int:
     """List what a clean would free in finished runs, confirm, delete."""
-    import sys
-
-    from vlaslurm.cli import UserError, _resolve_all, _runs_root, console
-    from vlaslurm.runtime.rundir import list_runs
-    from vlaslurm.runtime.status import run_state
-
     if (args.run is None) == (args.older_than is None):
         raise UserError("name one RUN or give --older-than AGE (not both)")
     if args.keep_checkpoints is not None and args.keep_checkpoints < 0:
         raise UserError(f"--keep-checkpoints must be at least 0, got {args.keep_checkpoints}")
     if args.run is not None:
-        runs = _resolve_all(args)
+        runs = resolve_all(args)
     else:
         try:
             age = parse_age(args.older_than)
         except ValueError as exc:
             raise UserError(str(exc)) from None
-        runs = list_runs(_runs_root(args))
+        runs = list_runs(runs_root(args))
     now = time.time()
     plan: List[tuple] = []
     for info in runs:
@@ -170,8 +166,9 @@ def cmd_clean(args) -> int:
     for info, state, found in plan:
         console.print(f"{info.run_dir}  ({state})", markup=False)
         for item in found:
-            console.print(f"  {human(item.size):>10}  {item.path.relative_to(info.run_dir)}  [{item.why}]",
-                          markup=False)
+            console.print(
+                f"  {human(item.size):>10}  {item.path.relative_to(info.run_dir)}  [{item.why}]", markup=False
+            )
     if not plan:
         console.print("nothing to clean")
         return 0

@@ -1,96 +1,89 @@
-"""What `vlaslurm status` and `vlaslurm runs` say about a run."""
+"""`vlaslurm status`, `logs` and `runs`: what a run is doing and what it has written."""
+
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from vlaslurm.runtime.records import read_jsonl
-from vlaslurm.runtime.rundir import RunInfo
+from rich.table import Table
 
-
-_ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "SUSPENDED"}
-
-
-def run_state(info: RunInfo) -> str:
-    """PENDING, RUNNING, COMPLETED, FAILED(code), CANCELLED, or UNKNOWN when neither Slurm nor the record knows.
-
-    While Slurm knows the job its state wins (a requeued job's old exit record is not the end); once
-    Slurm has forgotten it (MinJobAge), the exit record in the run directory is the truth.
-    """
-    from vlaslurm.slurm.cluster import SlurmUnavailable
-    from vlaslurm.slurm.submit import job_outcome, job_states
-
-    outcome = job_outcome(Path(info.run_dir))
-    if info.kind == "slurm" and info.job_id:
-        try:
-            states = set(job_states(info.job_id).values())
-        except SlurmUnavailable:  # fall back to what the run directory says
-            states = set()
-        if states & _ACTIVE:
-            return "RUNNING" if "RUNNING" in states else sorted(states & _ACTIVE)[0]
-        if "CANCELLED" in states:
-            return "CANCELLED"
-        if states and outcome is None:
-            return sorted(states)[0]
-    if outcome is None:
-        return "RUNNING" if info.kind == "local" and _recent_heartbeat(info) else "UNKNOWN"
-    return "COMPLETED" if outcome == 0 else f"FAILED({outcome})"
-
-
-def _recent_heartbeat(info: RunInfo, within_s: float = 60.0) -> bool:
-    beats = list(Path(info.run_dir).glob("heartbeats/*.json"))
-    return any(time.time() - p.stat().st_mtime < within_s for p in beats)
+from vlaslurm.cli.common import UserError, add_command, console, resolve, resolve_all, runs_root
+from vlaslurm.cli.progress import fmt_version, latest_metrics
+from vlaslurm.rundir import (
+    RunDir,
+    RunInfo,
+    exit_records,
+    list_runs,
+    read_heartbeat,
+    read_resolved_spec,
+    restart_records,
+)
+from vlaslurm.slurm.state import run_state
 
 
 def describe_run(info: RunInfo, now: Optional[float] = None) -> str:
     """A readable multi-line summary: state, steps' exits, restarts, checkpoints, each rank's heartbeat,
     and which role stalled."""
     from vlaslurm.runtime.checkpoint import latest
-    from vlaslurm.slurm.submit import exit_record
 
     run_dir = Path(info.run_dir)
     state = run_state(info)
-    lines = [f"run      {info.name}  ({info.kind}{', job ' + info.job_id if info.job_id else ''})",
-             f"dir      {info.run_dir}",
-             f"state    {state}",
-             f"ranks    {', '.join(f'{r}={n}' for r, n in info.ranks.items())}"]
-    records = [r for r in exit_record(run_dir) if r.get("step") != "job"]
+    lines = [
+        f"run      {info.name}  ({info.kind}{', job ' + info.job_id if info.job_id else ''})",
+        f"dir      {info.run_dir}",
+        f"state    {state}",
+        f"ranks    {', '.join(f'{r}={n}' for r, n in info.ranks.items())}",
+    ]
+    records = [r for r in exit_records(run_dir) if r.get("step") != "job"]
     for record in records:
-        lines.append(f"step     {record['step']:<10} exit {record['exit_code']:<4} "
-                     f"after {float(record['end']) - float(record['start']):.1f} s (restart {record.get('restart', 0)})")
-    for record in read_jsonl(run_dir / "restarts.jsonl"):
-        lines.append(f"restart  {record['role']}[{record['rank']}] restarted ({record['restart']}) after exit code "
-                     f"{record['exit_code']}")
+        lines.append(
+            f"step     {record['step']:<10} exit {record['exit_code']:<4} "
+            f"after {float(record['end']) - float(record['start']):.1f} s "
+            f"(restart {record.get('restart', 0)})"
+        )
+    for record in restart_records(run_dir):
+        lines.append(
+            f"restart  {record['role']}[{record['rank']}] restarted ({record['restart']}) after exit code "
+            f"{record['exit_code']}"
+        )
     newest = latest(run_dir)
     lines.append(f"ckpt     {newest.name if newest else 'none yet'}")
     lines += eval_lines(run_dir)
+    metrics = latest_metrics(run_dir)
+    if metrics.row:
+        total = (read_resolved_spec(run_dir).get("rollout") or {}).get("total_env_steps")
+        lines.append(f"metrics  {metrics.line(total)}")
     beats = heartbeats(run_dir)
     now = time.time() if now is None else now
     for name, beat in beats.items():
-        lines.append(f"role     {name:<14} v{beat.get('version', '-')}  {beat.get('progress', '')}  "
-                     f"last heartbeat {now - beat.get('time', 0):.0f} s ago")
+        lines.append(
+            f"role     {name:<14} {fmt_version(beat):<5} {beat.get('progress', '')}  "
+            f"last heartbeat {now - beat.get('time', 0):.0f} s ago"
+        )
     if state == "RUNNING":
         stalled = stalled_ranks(beats, _stall_after_s(run_dir), now)
         for name, age in stalled:
-            lines.append(f"STALLED  {name}: no heartbeat for {age:.0f} s (others are alive); see "
-                         f"vlaslurm logs {info.run_dir} --role {name.split('-')[0]}")
+            lines.append(
+                f"STALLED  {name}: no heartbeat for {age:.0f} s (others are alive); see "
+                f"vlaslurm logs {info.run_dir} --role {name.split('-')[0]}"
+            )
     return "\n".join(lines)
 
 
 def eval_lines(run_dir: Path) -> List[str]:
     """An eval run's result, once its eval.json is written: success overall and per task."""
-    from vlaslurm.runtime.evaluate import EVAL_FILE
-
     try:
-        summary = json.loads((Path(run_dir) / EVAL_FILE).read_text())
+        summary = json.loads(RunDir(run_dir).eval.read_text())
     except (OSError, json.JSONDecodeError):
         return []
     outcomes = [ok for eps in summary["outcomes"].values() for ok in eps.values()]
     overall = sum(outcomes) / max(1, len(outcomes))
     tasks = ", ".join(f"{task} {rate:.2f}" for task, rate in summary["success"].items())
-    failed = Path(run_dir) / "failed"
+    failed = RunDir(run_dir).failed
     kept = f"; failed trajectories in {failed}" if failed.is_dir() else ""
     return [f"eval     success {overall:.2f} over {len(outcomes)} episodes ({tasks}){kept}"]
 
@@ -98,19 +91,21 @@ def eval_lines(run_dir: Path) -> List[str]:
 def heartbeats(run_dir: Path) -> Dict[str, dict]:
     """`role-rank` -> its last heartbeat (time, version, progress)."""
     beats = {}
-    for path in sorted(Path(run_dir).glob("heartbeats/*.json")):
-        try:
-            beats[path.stem] = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
+    for path in RunDir(run_dir).heartbeat_files():
+        beat = read_heartbeat(path)
+        if beat is not None:
+            beats[path.stem] = beat
     return beats
 
 
 def stalled_ranks(beats: Dict[str, dict], after_s: float, now: float) -> List[Tuple[str, float]]:
     """Ranks silent for more than `after_s` while some other rank still beats: the ones holding the run up.
     (When every rank is silent the run is over or dead, which the state says.)"""
-    ages = {name: now - beat.get("time", 0) for name, beat in beats.items()
-            if not str(beat.get("progress", "")).startswith("finished")}
+    ages = {
+        name: now - beat.get("time", 0)
+        for name, beat in beats.items()
+        if not str(beat.get("progress", "")).startswith("finished")
+    }
     if not ages or min(ages.values()) > after_s:
         return []
     return sorted(((n, a) for n, a in ages.items() if a > after_s), key=lambda item: -item[1])
@@ -121,8 +116,85 @@ def _stall_after_s(run_dir: Path) -> float:
     try:
         import yaml
 
-        spec = yaml.safe_load((Path(run_dir) / "spec.yaml").read_text())
+        spec = yaml.safe_load(RunDir(run_dir).spec.read_text())
         return max(30.0, float(spec["runtime"]["timeout_s"]))
     except (OSError, KeyError, TypeError, ValueError):
         return 120.0
 
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Show a run's state, its steps' exit records and its roles' progress."""
+    for index, info in enumerate(resolve_all(args)):  # a sweep name: every run of the sweep
+        console.print(("\n" if index else "") + describe_run(info), markup=False)
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    """Print (or follow) a run's logs."""
+    info = resolve(args)
+    paths = RunDir(info.run_dir)
+    files = paths.role_logs(args.role, args.rank)
+    if args.role is None and args.rank is None:
+        files = paths.batch_logs() + files
+    if not files:
+        raise UserError(f"no logs yet under {paths.logs}" + (f" for role {args.role}" if args.role else ""))
+    for path in files:
+        console.print(f"[bold]==> {path.relative_to(info.run_dir)} <==[/bold]")
+        sys.stdout.write(path.read_text(errors="replace"))
+    if args.follow:
+        _follow(files)
+    return 0
+
+
+def _follow(files: List[Path]) -> None:
+    offsets = {p: p.stat().st_size for p in files}
+    try:
+        while True:
+            for path in files:
+                size = path.stat().st_size
+                if size > offsets[path]:
+                    with path.open(errors="replace") as handle:
+                        handle.seek(offsets[path])
+                        sys.stdout.write(handle.read())
+                    offsets[path] = size
+            sys.stdout.flush()
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    """List runs under the runs root."""
+    table = Table("name", "job", "kind", "state", "sweep", "created", "run dir")
+    for info in list_runs(runs_root(args)):
+        if (args.name and info.name != args.name) or (args.sweep and info.sweep != args.sweep):
+            continue
+        state = run_state(info)
+        if args.state and not state.upper().startswith(args.state.upper()):
+            continue
+        table.add_row(
+            info.name,
+            info.job_id or "-",
+            info.kind,
+            state,
+            info.sweep or "-",
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(info.created)),
+            info.run_dir,
+        )
+    console.print(table)
+    return 0
+
+
+def register(sub) -> None:
+    add_command(sub, "status", cmd_status, "show a run's state").add_argument(
+        "run", help="run directory, run name, job id or sweep name (all its runs)"
+    )
+    p = add_command(sub, "logs", cmd_logs, "print a run's logs")
+    p.add_argument("run", help="run directory, run name or job id")
+    p.add_argument("--role", choices=["simulator", "generator", "trainer"])
+    p.add_argument("--rank", type=int)
+    p.add_argument("--follow", "-f", action="store_true")
+    p = add_command(sub, "runs", cmd_runs, "list runs")
+    p.add_argument("--name", help="only runs of this name")
+    p.add_argument("--sweep", help="only runs of this sweep")
+    p.add_argument("--state", help="only runs in this state (RUNNING, PENDING, COMPLETED, FAILED, CANCELLED, ...)")

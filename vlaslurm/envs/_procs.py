@@ -1,19 +1,11 @@
 """One simulator instance per worker process, for simulators that hold one scene per process.
 
-`InstanceProcess(label, factory, *args)` starts a fresh interpreter
-(`python -m vlaslurm.envs._procs`; not fork, which SAPIEN, MuJoCo's GL
-contexts and torch do not survive, and not multiprocessing's spawn, which
-re-imports the caller's `__main__`) connected by a socket pair. The child
-calls `factory(*args)` (a "module:function" string) to build its instance,
-replies with the instance's `info()`, then runs `instance.<name>(*args)` for
-each `(name, *args)` it receives until `close`. Exceptions come back with
-their traceback; a child that dies or stays silent past the deadline raises
-an error naming the instance.
-
-Sending and waiting are separate so a caller can start many instances'
-steps before collecting any: instances run in parallel, and disjoint
-instances may be driven from different threads.
+`InstanceProcess(label, factory, *args)` starts a fresh interpreter connected by a socket pair;
+the child builds its instance with `factory(*args)` and runs the methods it is sent until `close`.
+Exceptions come back with their traceback; a dead or silent child raises an error naming it.
+Sending and waiting are separate, so many instances step in parallel. Details: docs/simulators.md
 """
+
 from __future__ import annotations
 
 import importlib
@@ -40,7 +32,10 @@ class InstanceProcess:
         parent, child = socket.socketpair()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "vlaslurm.envs._procs", str(child.fileno())],
-            pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=env)
+            pass_fds=(child.fileno(),),
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
         child.close()
         self.conn = Connection(parent.detach())
         self.conn.send((factory, args))
@@ -56,8 +51,10 @@ class InstanceProcess:
             status, payload = self.conn.recv()
         except (EOFError, ConnectionResetError):
             code = self.process.wait(10)
-            raise RuntimeError(f"{self.label} died (exit code {code}); run `vlaslurm doctor SPEC` to check "
-                               f"the simulator and its renderer") from None
+            raise RuntimeError(
+                f"{self.label} died (exit code {code}); run `vlaslurm doctor SPEC` to check "
+                f"the simulator and its renderer"
+            ) from None
         if status == "error":
             raise RuntimeError(f"{self.label} failed:\n{payload}")
         return payload
@@ -148,9 +145,11 @@ def stack_rows(ids, rows: list, instructions: list):
 
     if not rows:  # an empty subset
         return Observation(images=None, state=None, instructions=[])
-    return Observation(images=None if rows[0][0] is None else np.concatenate([r[0] for r in rows]),
-                       state=None if rows[0][1] is None else np.concatenate([r[1] for r in rows]),
-                       instructions=[instructions[i] for i in ids])
+    return Observation(
+        images=None if rows[0][0] is None else np.concatenate([r[0] for r in rows]),
+        state=None if rows[0][1] is None else np.concatenate([r[1] for r in rows]),
+        instructions=[instructions[i] for i in ids],
+    )
 
 
 def step_result(ids, rows: list, elapsed, max_episode_steps: int, instructions: list):

@@ -1,20 +1,11 @@
 """Choose the Vulkan driver SAPIEN (ManiSkill's renderer) uses, before SAPIEN starts.
 
-Without a usable Vulkan device every ManiSkill task fails at `gym.make`, even
-state-only ones ("failed to find a rendering device"). GPU nodes have the
-NVIDIA ICD; CPU machines can use Mesa's lavapipe, but Debian 12's own (Mesa
-22.3) is rejected by SAPIEN, so `.ci/setup-sims` unpacks Mesa 25 lavapipe from
-bookworm-backports into a private folder (`.sims/vulkan`, or
-`$VLASLURM_VULKAN_DIR`) and writes `lvp_icd.json` there.
-
-`activate(setting)` resolves `setting` (`auto` or the path of an ICD json):
-  auto: keep `$VK_ICD_FILENAMES` when set; else keep the system's ICDs when
-        any are installed; else use the private lavapipe folder when present.
-It then sets `VK_ICD_FILENAMES`, prepends the folder's libraries to
-`LD_LIBRARY_PATH` (read by child processes at start) and preloads them into
-this process (libdrm 2.4.123, LLVM 15 and whatever else lavapipe needs that
-the system lacks or has too old).
+`activate(setting)` (`auto` or the path of an ICD json) keeps `$VK_ICD_FILENAMES` or the system's
+ICDs when there are any, else uses the private Mesa lavapipe folder of `.ci/setup-sims`
+(`.sims/vulkan`, or `$VLASLURM_VULKAN_DIR`), and sets the environment and preloads its libraries.
+Details (why lavapipe, what is preloaded): docs/simulators.md
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -84,8 +75,10 @@ def icd_problem(path: str) -> Optional[str]:
 def problems(choice: VulkanChoice) -> List[str]:
     """Human-readable reasons the chosen driver cannot work (empty: looks fine)."""
     if not choice.icds:
-        return [f"no Vulkan driver (ICD) found: VK_ICD_FILENAMES is unset, no system ICD in "
-                f"{', '.join(SYSTEM_ICD_DIRS)}, no private lavapipe at {private_dir()}; {SETUP_HINT}"]
+        return [
+            f"no Vulkan driver (ICD) found: VK_ICD_FILENAMES is unset, no system ICD in "
+            f"{', '.join(SYSTEM_ICD_DIRS)}, no private lavapipe at {private_dir()}; {SETUP_HINT}"
+        ]
     found = [icd_problem(p) for p in choice.icds]
     bad = [p for p in found if p]
     if len(bad) == len(found):  # the loader only needs one usable ICD

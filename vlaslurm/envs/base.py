@@ -4,14 +4,17 @@ A `VecEnv` holds many environment instances. Instances are addressed by their
 local index, so the runtime can step or reset any subset: a finished instance
 resets alone (partial reset) and, in async mode, instances step independently.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Protocol, Sequence, TypeVar
+from typing import List, Optional, Protocol, Sequence, TypeVar, Union
 
 import numpy as np
 
 T = TypeVar("T")
+
+EnvIds = Union[Sequence[int], np.ndarray]  # local instance indices: a sequence or a 1-d integer array
 
 
 def tasks_of(tasks: Sequence[T], first_gid: int, num_envs: int, group_size: int = 1) -> List[T]:
@@ -57,10 +60,10 @@ class VecEnv(Protocol):
     tasks: List[str]  # task name of each instance
     thread_safe: bool  # whether disjoint subsets may be stepped from different threads at once
 
-    def reset(self, env_ids: Sequence[int], seeds: Optional[Sequence[int]] = None) -> Observation:
+    def reset(self, env_ids: EnvIds, seeds: Optional[Sequence[int]] = None) -> Observation:
         """Start new episodes in `env_ids` (seeded when `seeds` is given) and observe them."""
 
-    def step(self, env_ids: Sequence[int], actions: np.ndarray) -> StepResult:
+    def step(self, env_ids: EnvIds, actions: np.ndarray) -> StepResult:
         """Apply one action per instance (`actions` is float32 [len(env_ids), action_dim])."""
 
     def close(self) -> None:

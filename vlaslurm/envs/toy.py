@@ -1,34 +1,19 @@
 """Toy language-conditioned visual reaching task (`env.type: toy`), pure numpy.
 
-Each instance shows a top-down image with `num_objects` coloured squares and a
-white agent dot, and an instruction such as "move to the red square". The agent
-moves with continuous 2-D actions (clipped to [-1, 1], scaled to `MAX_STEP` of
-the unit arena) and succeeds when it is within `SUCCESS_RADIUS` of the named
-square (terminated=True); the episode is truncated after `max_episode_steps`.
-
-The task is built so that only a policy that reads the instruction does well.
-Measured with `baseline_success` (`python -m vlaslurm.envs.toy`; 1024 episodes
-for seed 0, 4096 for seeds 1 and 2; default config: red, green and blue squares, 24 steps,
-32x32 images):
-
-    random actions                3.6-5.2% success
-    nearest object (no language)  31-33% success
-    oracle (heads for the target) 100% success, 5.6 steps per episode
-
-A chunk of 4 actions per policy call gives 6 decisions per 24-step episode.
-One step of 64 instances takes about 1 ms on a 2-core CPU, of which ~0.65 ms
-is rendering the images.
-
-Rewards: 'shaped' gives `SHAPING_SCALE * (previous distance - distance)` each
-step plus `SUCCESS_BONUS` on success; 'sparse' gives only the success bonus.
+Each instance shows a top-down image with `num_objects` coloured squares and a white agent dot,
+and an instruction such as "move to the red square"; continuous 2-D actions move the agent, which
+succeeds within `SUCCESS_RADIUS` of the named square. Rewards are 'shaped' or 'sparse'. Only a
+policy that reads the instruction does well (`python -m vlaslurm.envs.toy` measures baselines).
+Details and baseline numbers: docs/simulators.md
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
 import numpy as np
 
-from vlaslurm.envs.base import Observation, StepResult, tasks_of
+from vlaslurm.envs.base import EnvIds, Observation, StepResult, tasks_of
 from vlaslurm.spec.env_types import ToyEnvConfig
 
 MAX_STEP = 0.08  # arena fraction one full-scale action moves the agent
@@ -87,7 +72,7 @@ class ToyReachVecEnv:
         self._needs_reset = np.ones(num_envs, bool)
 
     # --- VecEnv interface -------------------------------------------------------------------
-    def reset(self, env_ids: Sequence[int], seeds: Optional[Sequence[int]] = None) -> Observation:
+    def reset(self, env_ids: EnvIds, seeds: Optional[Sequence[int]] = None) -> Observation:
         """Start new episodes in `env_ids`; a given seed re-seeds that instance's stream."""
         ids = self._ids(env_ids)
         if seeds is not None and len(seeds) != len(ids):
@@ -100,7 +85,7 @@ class ToyReachVecEnv:
         self._needs_reset[ids] = False
         return self._observe(ids)
 
-    def step(self, env_ids: Sequence[int], actions: np.ndarray) -> StepResult:
+    def step(self, env_ids: EnvIds, actions: np.ndarray) -> StepResult:
         """Move the agents of `env_ids` by `actions` (float [n, 2], clipped to [-1, 1])."""
         ids = self._ids(env_ids)
         actions = np.asarray(actions, np.float32)
@@ -132,13 +117,13 @@ class ToyReachVecEnv:
         """Nothing to release: the task is plain arrays."""
 
     # --- privileged helpers for baselines and tests ------------------------------------------
-    def target_pos(self, env_ids: Sequence[int]) -> np.ndarray:
+    def target_pos(self, env_ids: EnvIds) -> np.ndarray:
         """Centre of each instance's named object, float32 [n, 2]."""
         ids = self._ids(env_ids)
         return self.object_pos[ids, self.target[ids]]
 
     # --- internals ---------------------------------------------------------------------------
-    def _ids(self, env_ids: Sequence[int]) -> np.ndarray:
+    def _ids(self, env_ids: EnvIds) -> np.ndarray:
         ids = np.asarray(env_ids, np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_envs):
             raise IndexError(f"env_ids must lie in [0, {self.num_envs}), got {ids.tolist()}")
@@ -232,13 +217,13 @@ def make(cfg: ToyEnvConfig, num_envs: int, rank: int = 0, seed: int = 0, group_s
 
 
 # --- scripted baselines (privileged: they read the simulator state) --------------------------
-def oracle_actions(env: ToyReachVecEnv, env_ids: Sequence[int]) -> np.ndarray:
+def oracle_actions(env: ToyReachVecEnv, env_ids: EnvIds) -> np.ndarray:
     """Head straight for the named object."""
     ids = np.asarray(env_ids)
     return np.clip((env.target_pos(ids) - env.agent_pos[ids]) / MAX_STEP, -1.0, 1.0)
 
 
-def nearest_object_actions(env: ToyReachVecEnv, env_ids: Sequence[int]) -> np.ndarray:
+def nearest_object_actions(env: ToyReachVecEnv, env_ids: EnvIds) -> np.ndarray:
     """Head for the closest object, ignoring the instruction (the best language-blind policy)."""
     ids = np.asarray(env_ids)
     offsets = env.object_pos[ids] - env.agent_pos[ids, None]
@@ -246,12 +231,13 @@ def nearest_object_actions(env: ToyReachVecEnv, env_ids: Sequence[int]) -> np.nd
     return np.clip(offsets[np.arange(len(ids)), nearest] / MAX_STEP, -1.0, 1.0)
 
 
-def random_actions(env: ToyReachVecEnv, env_ids: Sequence[int], rng: np.random.Generator) -> np.ndarray:
+def random_actions(env: ToyReachVecEnv, env_ids: EnvIds, rng: np.random.Generator) -> np.ndarray:
     return rng.uniform(-1.0, 1.0, size=(len(env_ids), env.action_dim)).astype(np.float32)
 
 
-def baseline_success(policy: str, episodes: int = 1024, num_envs: int = 64, seed: int = 0,
-                     cfg: Optional[ToyEnvConfig] = None) -> tuple[float, float]:
+def baseline_success(
+    policy: str, episodes: int = 1024, num_envs: int = 64, seed: int = 0, cfg: Optional[ToyEnvConfig] = None
+) -> tuple[float, float]:
     """(success rate, mean episode length) of 'random', 'nearest' or 'oracle' over `episodes`."""
     cfg = cfg or ToyEnvConfig()
     env = make(cfg, num_envs=num_envs, seed=seed)

@@ -1,8 +1,9 @@
 """The one interface every policy implements."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Protocol
+from typing import Any, List, Optional, Protocol
 
 import torch
 
@@ -47,3 +48,9 @@ class Policy(Protocol):
 
     def evaluate(self, inp: PolicyInput, actions: torch.Tensor) -> PolicyEval:
         """Log-probs, entropy and value of stored `actions` [B, action_chunk, action_dim]."""
+
+    # What the runtime calls of torch.nn.Module on a built policy; both return the module itself, typed Any
+    # because a Protocol cannot say "and a torch.nn.Module".
+    def eval(self) -> Any: ...
+
+    def to(self, *args: Any, **kwargs: Any) -> Any: ...

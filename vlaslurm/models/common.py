@@ -1,21 +1,12 @@
 """Pieces shared by the OpenVLA-style policies: tokenizer, vision stem, backbone.
 
-The backbone is a small causal Llama (transformers `LlamaModel`, configured in
-code: no files, no hub) that reads one sequence per observation:
-
-    [pad ... pad, <bos>, instruction words, camera tokens, state token]
-
-Instructions are left-padded so the last position is always the newest real
-token; the heads of both policies read that position. Each camera image becomes
-one token: a FiLM-conditioned conv stem pooled by a spatial softmax into
-keypoints, projected to the LM width. (A plain ViT-patch stem learned nothing
-on the toy task in a prototype; keypoints of instruction-modulated features
-learned quickly.)
-
-Importing a real OpenVLA checkpoint later means replacing `build_backbone` with
-the checkpoint's Llama-2 and `VisionStem` with its DINOv2+SigLIP projector; the
-token layout and the heads stay as they are.
+The backbone is a small causal Llama (transformers `LlamaModel`, configured in code) that reads
+one left-padded sequence per observation, ``[pad ..., <bos>, instruction words, camera tokens,
+state token]``; the heads read the last position. Each camera image becomes one token
+(`VisionStem`: a FiLM-conditioned conv stem pooled into keypoints).
+Details (why keypoints, loading a real checkpoint): docs/models.md
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,7 +15,7 @@ import math
 import zlib
 from contextlib import nullcontext
 from dataclasses import asdict
-from typing import ContextManager, List, Optional, Tuple
+from typing import TYPE_CHECKING, ContextManager, List, Optional, Tuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +23,9 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from vlaslurm.spec.model_types import BackboneConfig
+
+if TYPE_CHECKING:
+    from transformers import LlamaModel
 
 PAD_ID = 0
 BOS_ID = 1
@@ -49,7 +43,9 @@ class HashedWordTokenizer:
     def __init__(self, vocab_size: int, max_tokens: int, reserved: int = 0):
         self.num_word_ids = vocab_size - reserved - _FIRST_WORD_ID
         if self.num_word_ids < 1:
-            raise ValueError(f"vocab_size {vocab_size} leaves no word ids after {reserved} reserved ids; raise vocab_size")
+            raise ValueError(
+                f"vocab_size {vocab_size} leaves no word ids after {reserved} reserved ids; raise vocab_size"
+            )
         if max_tokens < 2:
             raise ValueError(f"max_instruction_tokens must be >= 2 (bos + one word), got {max_tokens}")
         self.max_tokens = max_tokens
@@ -69,8 +65,8 @@ class HashedWordTokenizer:
         ids = torch.full((len(texts), length), PAD_ID, dtype=torch.long)
         mask = torch.zeros((len(texts), length), dtype=torch.long)
         for row, e in enumerate(encoded):
-            ids[row, length - len(e):] = torch.tensor(e)
-            mask[row, length - len(e):] = 1
+            ids[row, length - len(e) :] = torch.tensor(e)
+            mask[row, length - len(e) :] = 1
         return ids.to(device), mask.to(device)
 
 
@@ -117,7 +113,8 @@ def coordinate_grid(h: int, w: int, device: torch.device) -> Tuple[torch.Tensor,
     """Row and column coordinates in [-1, 1], each float [h, w]."""
     ys = torch.linspace(-1.0, 1.0, h, device=device)
     xs = torch.linspace(-1.0, 1.0, w, device=device)
-    return torch.meshgrid(ys, xs, indexing="ij")
+    rows, cols = torch.meshgrid(ys, xs, indexing="ij")
+    return rows, cols
 
 
 class VisionStem(nn.Module):
@@ -150,7 +147,7 @@ class VisionStem(nn.Module):
         return self.proj(self.pool(x)).reshape(b, cams, -1)
 
 
-def build_llama(backbone, vocab_size: int, max_positions: int) -> nn.Module:
+def build_llama(backbone, vocab_size: int, max_positions: int) -> LlamaModel:
     """A randomly initialised causal Llama of the `BackboneConfig` size (transformers, no files)."""
     from transformers import LlamaConfig, LlamaModel
 
@@ -158,7 +155,8 @@ def build_llama(backbone, vocab_size: int, max_positions: int) -> nn.Module:
         raise ValueError(
             f"model.backbone.hidden_size ({backbone.hidden_size}) must be divisible by num_heads ({backbone.num_heads})"
         )
-    config = LlamaConfig(
+    # attn_implementation is one of PretrainedConfig's kwargs, which LlamaConfig's dataclass signature omits
+    config = LlamaConfig(  # type: ignore[call-arg]
         vocab_size=vocab_size,
         hidden_size=backbone.hidden_size,
         intermediate_size=backbone.intermediate_size,
@@ -228,14 +226,16 @@ def run_lm(
     mask makes the output independent of how much left padding a batch has.
     """
     full_mask = mask if past_mask is None else torch.cat([past_mask, mask], dim=1)
-    positions = (full_mask.cumsum(1) - 1).clamp(min=0)[:, -embeds.shape[1]:]
+    positions = (full_mask.cumsum(1) - 1).clamp(min=0)[:, -embeds.shape[1] :]
     cache_kwargs = {_cache_arg_name(): past} if past is not None else {}
-    out = lm(inputs_embeds=embeds, attention_mask=full_mask, position_ids=positions, use_cache=use_cache, **cache_kwargs)
+    out = lm(
+        inputs_embeds=embeds, attention_mask=full_mask, position_ids=positions, use_cache=use_cache, **cache_kwargs
+    )
     cache = out[1] if use_cache else None  # by position: the field's name changed in transformers 5.2x
     return out.last_hidden_state, full_mask, cache
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cache_arg_name() -> str:
     # transformers 5.2x renamed LlamaModel.forward's `past_key_values` to `cache`.
     from transformers import LlamaModel
@@ -266,7 +266,7 @@ def init_module(module: nn.Module, std: float = 0.02) -> None:
     elif isinstance(module, nn.Embedding):
         nn.init.normal_(module.weight, std=std)
     elif "RMSNorm" in type(module).__name__:
-        nn.init.ones_(module.weight)
+        nn.init.ones_(cast(torch.Tensor, module.weight))
 
 
 def count_parameters(module: nn.Module) -> int:
@@ -284,8 +284,17 @@ class VLAModelConfig(PretrainedConfig):
     Each policy's config adds its own head's fields; `model_type` names the policy.
     """
 
-    def __init__(self, action_dim: int = 7, action_chunk: int = 1, state_dim: int = 0, num_cameras: int = 1,
-                 image_size: int = 64, backbone: dict | None = None, precision: str = "fp32", **kwargs):
+    def __init__(
+        self,
+        action_dim: int = 7,
+        action_chunk: int = 1,
+        state_dim: int = 0,
+        num_cameras: int = 1,
+        image_size: int = 64,
+        backbone: dict | None = None,
+        precision: str = "fp32",
+        **kwargs,
+    ):
         self.action_dim = action_dim
         self.action_chunk = action_chunk
         self.state_dim = state_dim
@@ -298,9 +307,15 @@ class VLAModelConfig(PretrainedConfig):
 
 def shape_fields(cfg, action_dim: int, state_dim: int, image_size: int, num_cameras: int) -> dict:
     """The `VLAModelConfig` fields of a fresh policy: the spec's model section plus the simulator's shapes."""
-    return {"action_dim": action_dim, "action_chunk": cfg.action_chunk, "state_dim": state_dim,
-            "num_cameras": num_cameras if image_size > 0 else 0, "image_size": image_size,
-            "backbone": asdict(cfg.backbone), "precision": cfg.precision}
+    return {
+        "action_dim": action_dim,
+        "action_chunk": cfg.action_chunk,
+        "state_dim": state_dim,
+        "num_cameras": num_cameras if image_size > 0 else 0,
+        "image_size": image_size,
+        "backbone": asdict(cfg.backbone),
+        "precision": cfg.precision,
+    }
 
 
 def init_seeded(policy_cls, config, seed: int):

@@ -1,16 +1,11 @@
 """OpenVLA-style policy (`model.type: openvla`): discrete action tokens decoded autoregressively.
 
-As in OpenVLA, each action dimension is quantised into `n_bins` uniform bins
-over [action_low, action_high], and bin b is vocabulary token
-`vocab_size - n_bins + b` (the LAST n_bins ids; the hashed-word tokenizer never
-emits them). After the prompt (instruction, image token, state token) the LM
-decodes `action_chunk * action_dim` tokens one at a time with a KV cache, its
-head restricted to the bin tokens. The value head reads the last prompt position.
-
-The policy is the tempered distribution: `temperature` divides the bin logits
-in `act` and in `evaluate` alike, so PPO ratios compare like with like.
-Log-prob and entropy of one action are sums over its dimensions' tokens.
+Each action dimension is quantised into `n_bins` bins, mapped to the vocabulary's last `n_bins`
+tokens, and decoded one token at a time with a KV cache; the value head reads the last prompt
+position. `temperature` divides the bin logits in `act` and `evaluate` alike.
+Details: docs/models.md
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -20,8 +15,15 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from vlaslurm.models.base import PolicyEval, PolicyInput, PolicyOutput
-from vlaslurm.models.common import (PromptEncoder, VLAModelConfig, autocast_for, init_module, init_seeded, run_lm,
-                                    shape_fields)
+from vlaslurm.models.common import (
+    PromptEncoder,
+    VLAModelConfig,
+    autocast_for,
+    init_module,
+    init_seeded,
+    run_lm,
+    shape_fields,
+)
 from vlaslurm.models.openvla_oft import check_checkpoint_dir, check_loaded
 from vlaslurm.spec.model_types import BackboneConfig, OpenVLAConfig
 
@@ -31,8 +33,14 @@ class OpenVLAModelConfig(VLAModelConfig):
 
     model_type = "vlaslurm-openvla"
 
-    def __init__(self, n_bins: int = 256, action_low: float = -1.0, action_high: float = 1.0,
-                 action_temperature: float = 1.0, **kwargs):
+    def __init__(
+        self,
+        n_bins: int = 256,
+        action_low: float = -1.0,
+        action_high: float = 1.0,
+        action_temperature: float = 1.0,
+        **kwargs,
+    ):
         self.n_bins = n_bins
         self.action_low = action_low
         self.action_high = action_high
@@ -103,12 +111,12 @@ class OpenVLAPolicy(PreTrainedModel):
             hidden, _, _ = run_lm(self.encoder.lm, embeds, mask)
         hidden = hidden.float()
         value = self.value_head(hidden[:, prompt_len - 1]).squeeze(-1)
-        logits = self._bin_logits(hidden[:, prompt_len - 1:]) if action_bins is not None else None
+        logits = self._bin_logits(hidden[:, prompt_len - 1 :]) if action_bins is not None else None
         return logits, value
 
     def _bin_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # The LM head restricted to the bin tokens, tempered (see module docstring).
-        weight = self.lm_head.weight[self.first_bin_token:].float()
+        weight = self.lm_head.weight[self.first_bin_token :].float()
         return torch.nn.functional.linear(hidden, weight) / self.config.action_temperature
 
     @torch.no_grad()
@@ -188,8 +196,12 @@ def build(cfg: OpenVLAConfig, action_dim: int, state_dim: int, image_size: int, 
         model.config.precision = cfg.precision
         model.config.action_temperature = cfg.temperature
         return model
-    config = OpenVLAModelConfig(n_bins=cfg.n_bins, action_low=cfg.action_low, action_high=cfg.action_high,
-                                action_temperature=cfg.temperature,
-                                **shape_fields(cfg, action_dim, state_dim, image_size, num_cameras))
+    config = OpenVLAModelConfig(
+        n_bins=cfg.n_bins,
+        action_low=cfg.action_low,
+        action_high=cfg.action_high,
+        action_temperature=cfg.temperature,
+        **shape_fields(cfg, action_dim, state_dim, image_size, num_cameras),
+    )
     _check_bins(config, cfg.backbone.vocab_size)
     return init_seeded(OpenVLAPolicy, config, cfg.init_seed)

@@ -10,6 +10,7 @@ linear schedule from `init_std` to `final_std` ('scheduled', driven by
 Actions returned by `act` are raw Gaussian samples (the simulator clips them);
 log-probs are per action of the chunk, summed over action dimensions.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,16 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from vlaslurm.models.base import PolicyEval, PolicyInput, PolicyOutput
-from vlaslurm.models.common import (PromptEncoder, VLAModelConfig, autocast_for, gaussian_logprob, init_module,
-                                    init_seeded, run_lm, shape_fields)
+from vlaslurm.models.common import (
+    PromptEncoder,
+    VLAModelConfig,
+    autocast_for,
+    gaussian_logprob,
+    init_module,
+    init_seeded,
+    run_lm,
+    shape_fields,
+)
 from vlaslurm.spec.model_types import BackboneConfig, OpenVLAOFTConfig
 
 STD_MODES = ("learned", "scheduled")
@@ -46,6 +55,7 @@ class OpenVLAOFTPolicy(PreTrainedModel):
     config_class = OpenVLAOFTModelConfig
     base_model_prefix = "vla"
     main_input_name = "images"
+    std_progress: torch.Tensor  # the buffer registered in __init__ (declared for type checkers)
 
     def __init__(self, config: OpenVLAOFTModelConfig):
         super().__init__(config)
@@ -134,7 +144,9 @@ def _check_std(mode: str, init_std: float, final_std: float) -> None:
         raise ValueError(f"model.init_std and model.final_std must be > 0, got {init_std} and {final_std}")
 
 
-def build(cfg: OpenVLAOFTConfig, action_dim: int, state_dim: int, image_size: int, num_cameras: int) -> OpenVLAOFTPolicy:
+def build(
+    cfg: OpenVLAOFTConfig, action_dim: int, state_dim: int, image_size: int, num_cameras: int
+) -> OpenVLAOFTPolicy:
     """Registry entry point: load `cfg.path` with from_pretrained, else a seeded random init."""
     if cfg.path:
         # A real OpenVLA-OFT checkpoint (Prismatic config, not ours) would be converted here.
@@ -142,8 +154,12 @@ def build(cfg: OpenVLAOFTConfig, action_dim: int, state_dim: int, image_size: in
         check_loaded(model.config, cfg, action_dim, state_dim, num_cameras)
         model.config.precision = cfg.precision
         return model
-    config = OpenVLAOFTModelConfig(std=cfg.std, init_std=cfg.init_std, final_std=cfg.final_std,
-                                   **shape_fields(cfg, action_dim, state_dim, image_size, num_cameras))
+    config = OpenVLAOFTModelConfig(
+        std=cfg.std,
+        init_std=cfg.init_std,
+        final_std=cfg.final_std,
+        **shape_fields(cfg, action_dim, state_dim, image_size, num_cameras),
+    )
     _check_std(cfg.std, cfg.init_std, cfg.final_std)
     return init_seeded(OpenVLAOFTPolicy, config, cfg.init_seed)
 

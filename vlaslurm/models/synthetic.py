@@ -4,6 +4,7 @@ Its forward time is `base + per_item * batch` ms, so the runtime's batching can
 be measured without CPU contention; its weights are a plain vector, so weight
 synchronisation still moves real bytes.
 """
+
 from __future__ import annotations
 
 import time
@@ -32,19 +33,31 @@ class SyntheticPolicy(nn.Module):
         if inp.seeds is None:
             actions = torch.rand(batch, *shape) * 2 - 1
         else:
-            actions = torch.stack([torch.rand(*shape, generator=torch.Generator().manual_seed(int(s))) * 2 - 1
-                                   for s in inp.seeds.tolist()]) if batch else torch.zeros(0, *shape)
+            actions = (
+                torch.stack(
+                    [
+                        torch.rand(*shape, generator=torch.Generator().manual_seed(int(s))) * 2 - 1
+                        for s in inp.seeds.tolist()
+                    ]
+                )
+                if batch
+                else torch.zeros(0, *shape)
+            )
         return PolicyOutput(actions, torch.zeros(batch, self.action_chunk), torch.zeros(batch))
 
     def evaluate(self, inp: PolicyInput, actions: torch.Tensor) -> PolicyEval:
         batch = actions.shape[0]
         # Tie the outputs to the weights so a real optimizer step has something to move.
         zero = self.weight.sum() * 0.0
-        return PolicyEval(torch.zeros(batch, self.action_chunk) + zero, torch.zeros(batch, self.action_chunk),
-                          torch.zeros(batch) + zero)
+        return PolicyEval(
+            torch.zeros(batch, self.action_chunk) + zero,
+            torch.zeros(batch, self.action_chunk),
+            torch.zeros(batch) + zero,
+        )
 
 
-def build(cfg: SyntheticModelConfig, action_dim: int, state_dim: int, image_size: int,
-          num_cameras: int) -> SyntheticPolicy:
+def build(
+    cfg: SyntheticModelConfig, action_dim: int, state_dim: int, image_size: int, num_cameras: int
+) -> SyntheticPolicy:
     """Build the synthetic policy."""
     return SyntheticPolicy(cfg, action_dim)

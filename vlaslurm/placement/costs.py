@@ -5,14 +5,18 @@ workload, straight from its config (`from_synthetic`). Times are seconds,
 memory bytes. Step times are kept as samples, not means: the long tail of the
 slowest environment in a lock-step group is what sync mode pays for.
 """
+
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from vlaslurm.placement.profile_types import Profile, TransportProfile
 
 STEP_RULES = ("max", "sum", "batch")
 
@@ -48,11 +52,11 @@ class Curve:
         self.values = [min(merged[x]) for x in self.sizes]  # one size measured twice: its quicker run
 
     @classmethod
-    def constant(cls, value: float) -> "Curve":
+    def constant(cls, value: float) -> Curve:
         return cls([1.0], [value])
 
     @classmethod
-    def linear(cls, base: float, per: float) -> "Curve":
+    def linear(cls, base: float, per: float) -> Curve:
         return cls([0.0, 1.0], [base, base + per])
 
 
@@ -83,8 +87,10 @@ class Memory:
         """Peak of each phase on a collocated unit: generator weights and trainer optimizer state leave the
         GPU between phases, so the peak is the larger phase, not the sum of every role's peak."""
         sim = self.sim(envs)
-        return {"rollout": sim + self.gen(batch) + max(0.0, self.train_base - self.train_offload),
-                "training": sim + self.train(steps) + max(0.0, self.gen_base - self.gen_offload)}
+        return {
+            "rollout": sim + self.gen(batch) + max(0.0, self.train_base - self.train_offload),
+            "training": sim + self.train(steps) + max(0.0, self.gen_base - self.gen_offload),
+        }
 
 
 @dataclass
@@ -105,7 +111,6 @@ class CpuCosts:
     serve_s: float = 0.0  # generator, per request: receive, decode, encode and send its reply
     wake_s: float = 0.0  # generator, per batch: waking from its poll for the batch's requests
     segment_s: float = 0.0  # trainer, per segment received: receive and decode it
-
 
 
 @dataclass
@@ -141,7 +146,7 @@ class Costs:
     sim_on_gpu: bool = False
     on_gpu: bool = False
     gpu_name: str = "cpu"
-    cpu: Optional["CpuCosts"] = None  # CPU seconds of the same work; None: not measured (no CPU bound)
+    cpu: Optional[CpuCosts] = None  # CPU seconds of the same work; None: not measured (no CPU bound)
     host_cores: Optional[float] = None  # measured locally: every role shares this host's cores
 
     def __post_init__(self) -> None:
@@ -189,11 +194,11 @@ class Costs:
 
 
 def lognormal_samples(mean: float, sigma: float, n: int, rng: np.random.Generator) -> np.ndarray:
-    mu = math.log(mean) - sigma ** 2 / 2
+    mu = math.log(mean) - sigma**2 / 2
     return rng.lognormal(mu, sigma, n)
 
 
-def from_synthetic(spec, samples: int = 4000, hop_s: float = 0.0, capacity: float = 80 * 2 ** 30) -> Costs:
+def from_synthetic(spec, samples: int = 4000, hop_s: float = 0.0, capacity: float = 80 * 2**30) -> Costs:
     """The costs a synthetic spec (env, model and algo all `synthetic`) asks for, without measuring."""
     from vlaslurm.envs.synthetic import sample_ms
 
@@ -202,23 +207,36 @@ def from_synthetic(spec, samples: int = 4000, hop_s: float = 0.0, capacity: floa
     ref = max(1, env.num_envs)
     slow = int(round(env.slow_fraction * ref))
     factor = np.ones(ref)
-    factor[ref - slow:] = env.slow_factor
+    factor[ref - slow :] = env.slow_factor
     base = np.asarray([sample_ms(env.step_ms, rng) for _ in range(samples)]) / 1000.0
     rows = np.stack([rng.permutation(base) * f for f in factor])
     episode = min(env.episode_steps, env.max_episode_steps)
     params = model.num_params * 4.0
     return Costs(
-        step_samples=rows, step_rule="max",
+        step_samples=rows,
+        step_rule="max",
         forward_s=Curve.linear(model.forward_ms.base / 1000.0, model.forward_ms.per_item / 1000.0),
-        update_s=Curve.constant(algo.update_ms / 1000.0), publish_s=0.0, install_s=0.0, hop_s=hop_s,
-        memory=Memory(capacity=capacity), episode_len=np.asarray([episode]), param_bytes=params)
+        update_s=Curve.constant(algo.update_ms / 1000.0),
+        publish_s=0.0,
+        install_s=0.0,
+        hop_s=hop_s,
+        memory=Memory(capacity=capacity),
+        episode_len=np.asarray([episode]),
+        param_bytes=params,
+    )
 
 
 def summarize(samples: Sequence[float]) -> Dict[str, float]:
     """Mean and quantiles, for tables and profiles."""
     a = np.asarray(samples, float)
-    return {"mean": float(a.mean()), "p50": float(np.quantile(a, 0.5)), "p90": float(np.quantile(a, 0.9)),
-            "p99": float(np.quantile(a, 0.99)), "max": float(a.max()), "n": int(a.size)}
+    return {
+        "mean": float(a.mean()),
+        "p50": float(np.quantile(a, 0.5)),
+        "p90": float(np.quantile(a, 0.9)),
+        "p99": float(np.quantile(a, 0.99)),
+        "max": float(a.max()),
+        "n": int(a.size),
+    }
 
 
 def speed_classes(rows: List[np.ndarray], ratio: float = 1.5) -> np.ndarray:
@@ -250,91 +268,113 @@ def speed_classes(rows: List[np.ndarray], ratio: float = 1.5) -> np.ndarray:
     return out
 
 
-def from_profile(prof: Dict, spec) -> Costs:
-    """Costs from a saved profile (see `vlaslurm.placement.profile`)."""
-    sim, gen, tr, wts = prof["simulator"], prof["generator"], prof["trainer"], prof["weights"]
-    rows = [np.asarray(r, float) for r in sim["per_instance"]["samples"]]
+def from_profile(prof: Profile, spec) -> Costs:
+    """Costs from a saved profile (`vlaslurm.placement.profile_types.Profile`, read at the current version)."""
+    sim, gen, tr, wts, transport = prof.simulator, prof.generator, prof.trainer, prof.weights, prof.transport
+    rows = [np.asarray(r, float) for r in sim.per_instance.samples]
     means = speed_classes(rows)
     shape = np.concatenate([r / m for r, m in zip(rows, means)])  # pooled, unit mean: the tail they share
     step_samples = np.stack([shape * m for m in means])
-    batch = {int(n): np.asarray(v["samples"], float) for n, v in sim["batch"].items()}
-    probe = Costs(step_samples=step_samples, step_rule="max", forward_s=Curve.constant(0.0),
-                  update_s=Curve.constant(0.0), publish_s=0.0, install_s=0.0, hop_s=0.0, memory=Memory(1.0))
+    batch = {int(n): np.asarray(v.samples, float) for n, v in sim.batch.items()}
+    probe = Costs(
+        step_samples=step_samples,
+        step_rule="max",
+        forward_s=Curve.constant(0.0),
+        update_s=Curve.constant(0.0),
+        publish_s=0.0,
+        install_s=0.0,
+        hop_s=0.0,
+        memory=Memory(1.0),
+    )
     rule = pick_step_rule(probe, batch)
-    fwd = gen["forward"]
-    upd = tr["update"]
-    nbytes = float(wts["bytes"])
+    fwd = gen.forward
+    upd = tr.update
+    nbytes = float(wts.bytes)
     if spec.rollout.weight_sync == "filesystem":
-        publish, install = wts["filesystem_publish_s"], wts["filesystem_install_s"] + 0.1  # polled every 0.2 s
+        publish, install = wts.filesystem_publish_s, wts.filesystem_install_s + 0.1  # polled every 0.2 s
     else:  # a store handshake with every generator, then the broadcast
-        rtt = float(prof["transport"]["round_trip_s"])
-        publish = install = 3 * rtt + nbytes / wts["copy_bytes_per_s"]
-    on_gpu = "cuda" in str(prof.get("device", ""))
+        rtt = float(transport.round_trip_s)
+        publish = install = 3 * rtt + nbytes / wts.copy_bytes_per_s
+    # A profile does not keep the torch device it was measured on (only `gpu`, the model), so no profile
+    # has charged the collocated swap: kept so, to keep the validated predictions.
+    on_gpu = False
     # Collocated offload (runtime/offload.py): the generator's model, and the trainer's model, gradients and
     # optimizer state, leave the GPU at each phase boundary and come back for the next phase.
-    swap_bytes = gen.get("weights_bytes", nbytes) + tr["memory"]["base"]
+    swap_bytes = gen.weights_bytes + tr.memory.base
     cpu = cpu_costs(prof)
-    # The runtime's per-decision work: a version 4 profile measures it through real sockets, as CPU
-    # seconds on the target node; older ones timed the encoding alone.
-    message = cpu.request_s if cpu else float(sim.get("message_s", 0.0))
-    transport = prof["transport"]
-    reply = float(prof["overhead"].get("sim_reply_cpu_s", 0.0)) if cpu else 0.0
-    record = cpu.record_s if cpu else float(sim.get("record_s", 0.0))
-    request = cpu.serve_s if cpu else float(gen.get("request_s", 0.0))
+    hop = hop_s(prof)
+    # The runtime's per-decision work (message, record, request, batch) is the CPU seconds measured through
+    # real sockets on the target node.
     return Costs(
-        step_samples=step_samples, step_rule=rule, batch_samples=batch,
-        forward_s=Curve(list(map(float, fwd["sizes"])), isotonic(fwd["seconds"])),
-        update_s=Curve(list(map(float, upd["sizes"])), isotonic(upd["seconds"])),
-        publish_s=float(publish), install_s=float(install), hop_s=hop_s(prof, cpu),
-        message_s=message, reply_s=reply, wake_after_s=wake_curve(transport), record_s=record, request_s=request,
-        batch_s=cpu.wake_s if cpu else 0.0,
-        memory=Memory(capacity=float(prof["capacity_bytes"]), sim_base=sim["memory"]["base"],
-                      sim_per_env=sim["memory"]["per_env"], gen_base=gen["memory"]["base"],
-                      gen_per_item=gen["memory"]["per_item"], train_base=tr["memory"]["base"],
-                      train_per_step=tr["memory"]["per_step"], gen_offload=float(gen.get("weights_bytes", 0.0)),
-                      train_offload=float(tr["memory"]["base"])),
-        thread_safe=bool(sim["thread_safe"]), reset_s=float(sim["reset_s"]),
-        dispatch_s=float(sim["per_instance"].get("dispatch_s", 0.0)) + hop_s(prof, cpu),
-        episode_len=np.asarray(sim["episode_len"], int), param_bytes=nbytes,
-        swap_s=(2 * swap_bytes / wts["h2d_bytes_per_s"]) if on_gpu else 0.0,
-        sim_on_gpu=False, on_gpu=on_gpu, gpu_name=str(prof.get("gpu", "cpu")), cpu=cpu,
-        host_cores=float(prof.get("cpu_count") or os.cpu_count() or 1) if prof.get("local") else None)
+        step_samples=step_samples,
+        step_rule=rule,
+        batch_samples=batch,
+        forward_s=Curve(list(map(float, fwd.sizes)), isotonic(fwd.seconds)),
+        update_s=Curve(list(map(float, upd.sizes)), isotonic(upd.seconds)),
+        publish_s=float(publish),
+        install_s=float(install),
+        hop_s=hop,
+        message_s=cpu.request_s,
+        reply_s=float(prof.overhead.sim_reply_cpu_s),
+        wake_after_s=wake_curve(transport),
+        record_s=cpu.record_s,
+        request_s=cpu.serve_s,
+        batch_s=cpu.wake_s,
+        memory=Memory(
+            capacity=float(prof.capacity_bytes),
+            sim_base=sim.memory.base,
+            sim_per_env=sim.memory.per_env,
+            gen_base=gen.memory.base,
+            gen_per_item=gen.memory.per_item,
+            train_base=tr.memory.base,
+            train_per_step=tr.memory.per_step,
+            gen_offload=float(gen.weights_bytes),
+            train_offload=float(tr.memory.base),
+        ),
+        thread_safe=bool(sim.thread_safe),
+        reset_s=float(sim.reset_s),
+        dispatch_s=float(sim.per_instance.dispatch_s) + hop,
+        episode_len=np.asarray(sim.episode_len, int),
+        param_bytes=nbytes,
+        swap_s=(2 * swap_bytes / wts.h2d_bytes_per_s) if on_gpu else 0.0,
+        sim_on_gpu=False,
+        on_gpu=on_gpu,
+        gpu_name=str(prof.gpu),
+        cpu=cpu,
+        host_cores=float(prof.cpu_count or os.cpu_count() or 1) if prof.local else None,
+    )
 
 
-def hop_s(prof: Dict, cpu: Optional[CpuCosts]) -> float:
-    """One message's latency, one way. With the per-decision CPU measured (and charged to the roles as
-    their work), the hop is only what is left of the round trip: waking the peer, the wire."""
-    transport = prof["transport"]
-    if cpu is None or "client_cpu_s" not in transport:
-        return float(transport["hop_s"])
-    # Right after the last message where measured (wake-ups after a sleep are `wake_after_s`, not counted twice).
-    rtt = float((transport.get("idle_round_trip_s") or [transport["round_trip_s"]])[0])
-    return max(0.0, rtt - transport["client_cpu_s"] - transport["server_cpu_s"]) / 2
+def hop_s(prof: Profile) -> float:
+    """One message's latency, one way. The per-decision CPU is measured and charged to the roles as their
+    work, so the hop is only what is left of the round trip: waking the peer, the wire."""
+    transport = prof.transport
+    # Right after the last message (wake-ups after a sleep are `wake_after_s`, not counted twice).
+    rtt = float(transport.idle_round_trip_s[0])
+    return max(0.0, rtt - transport.client_cpu_s - transport.server_cpu_s) / 2
 
 
-def wake_curve(transport: Dict) -> Curve:
+def wake_curve(transport: TransportProfile) -> Curve:
     """Extra latency of a message to a process that has slept t seconds: its round trip after a gap of t,
-    less the round trip right after the last one (a profile before version 6: none)."""
-    gaps, rtts = transport.get("idle_s"), transport.get("idle_round_trip_s")
-    if not gaps:
-        return Curve.constant(0.0)
+    less the round trip right after the last one."""
+    gaps, rtts = transport.idle_s, transport.idle_round_trip_s
     base = rtts[0]
     return Curve([float(g) for g in gaps], isotonic([max(0.0, r - base) for r in rtts]), flat=True)
 
 
-def cpu_costs(prof: Dict) -> Optional[CpuCosts]:
-    """The CPU side of a profile; None for a profile from before it was measured (version < 4): then the
-    model applies no CPU bound, as it did when that profile was made."""
-    over = prof.get("overhead")
-    if over is None:
-        return None
-    sim, fwd, upd = prof["simulator"], prof["generator"]["forward"], prof["trainer"]["update"]
-    return CpuCosts(step_s=float(sim["per_instance"]["cpu_s"]),
-                    forward_s=Curve(list(map(float, fwd["sizes"])), isotonic(fwd["cpu_seconds"])),
-                    update_s=Curve(list(map(float, upd["sizes"])), isotonic(upd["cpu_seconds"])),
-                    request_s=float(over["sim_request_cpu_s"]), record_s=float(over["record_cpu_s"]),
-                    serve_s=float(over["gen_serve_cpu_s"]), wake_s=float(over.get("gen_wake_cpu_s", 0.0)),
-                    segment_s=float(over["segment_cpu_s"]))
+def cpu_costs(prof: Profile) -> CpuCosts:
+    """The CPU side of a profile."""
+    over, sim, fwd, upd = prof.overhead, prof.simulator, prof.generator.forward, prof.trainer.update
+    return CpuCosts(
+        step_s=float(sim.per_instance.cpu_s),
+        forward_s=Curve(list(map(float, fwd.sizes)), isotonic(fwd.cpu_seconds)),
+        update_s=Curve(list(map(float, upd.sizes)), isotonic(upd.cpu_seconds)),
+        request_s=float(over.sim_request_cpu_s),
+        record_s=float(over.record_cpu_s),
+        serve_s=float(over.gen_serve_cpu_s),
+        wake_s=float(over.gen_wake_cpu_s),
+        segment_s=float(over.segment_cpu_s),
+    )
 
 
 def isotonic(values: Sequence[float]) -> List[float]:

@@ -1,29 +1,16 @@
 """The profiling job: measure the spec's real simulator, policy and learner where the run will run.
 
-`profile(loaded, local=...)` submits `measure` through submitit (the local executor,
-or Slurm on the partitions the roles use; one job per partition) and saves the
-merged result as JSON under `<runs_root>/.profiles/<key>.json`. The key hashes
-what the numbers depend on (env, model and algo sections; each role's partition,
-constraint, CPUs and whether it has a GPU; the GPU model), so a second call with
-the same spec reads the file and submits nothing.
-
-What is measured, per role:
-- simulator: one action step of each instance alone (samples, for the tail) and of
-  n instances stepped together, for several n; reset time; episode lengths under
-  random actions; memory per instance; the runtime's own bookkeeping per decision;
-- generator: forward latency per batch size; encode/decode per request; memory;
-- trainer: collate + update time per batch size (env steps); optimizer state; memory;
-- weights: state_dict bytes, copy bandwidth, a filesystem publish and load;
-- transport: one message's loopback latency through the runtime's signed sockets;
-- overhead: the runtime's CPU per decision in each role (request round trip through
-  real sockets, segment bookkeeping, the generator's side of a request, the trainer's
-  decoding of a segment).
-Beside each wall time the job records CPU seconds (`time.process_time`, or the
-thread's own in threaded steps), so the model can bound roles that share cores.
+`profile(loaded, local=...)` submits `measure` through submitit (the local executor, or Slurm on
+the partitions the roles use) and caches the merged result as JSON under
+`<runs_root>/.profiles/<key>.json`, keyed by a hash of what the numbers depend on. Each role's
+wall times are recorded with their CPU seconds beside them.
+Details (what is measured, profile versions): docs/placement.md
 """
+
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -37,11 +24,10 @@ import numpy as np
 
 from vlaslurm.log import get_logger
 from vlaslurm.placement.costs import summarize
+from vlaslurm.placement.profile_types import PROFILE_VERSION, Profile, StaleProfile
+from vlaslurm.rundir import profiles_dir
 
 log = get_logger("vlaslurm.placement")
-PROFILE_VERSION = 6  # 4: CPU seconds beside wall times, the runtime's per-decision work over real sockets;
-# 5: the generator's per-request CPU measured in bursts, its wake-up per batch apart; 6: round trips after
-# idle gaps (waking a sleeping process), the client's CPU split into sending and receiving
 ROLES = ("simulator", "generator", "trainer")
 
 
@@ -75,39 +61,63 @@ def partitions(spec) -> Dict[str, Optional[str]]:
 
 def cache_key(spec, local: bool, gpu: str) -> str:
     """Hash of what the measured numbers depend on."""
+
     def role(name: str) -> Dict[str, Any]:
         res = spec.role_resources(name)
-        return {"partition": None if local else (res.partition or spec.slurm.partition),
-                "constraint": res.constraint, "cpus": res.cpus_per_task, "gpu": bool(res.gpus_per_node)}
+        return {
+            "partition": None if local else (res.partition or spec.slurm.partition),
+            "constraint": res.constraint,
+            "cpus": res.cpus_per_task,
+            "gpu": bool(res.gpus_per_node),
+        }
 
-    content = {"version": PROFILE_VERSION, "env": dataclasses.asdict(spec.env),
-               "model": dataclasses.asdict(spec.model), "algo": dataclasses.asdict(spec.algo),
-               "roles": {r: role(r) for r in ROLES}, "local": local, "gpu": gpu}
+    content = {
+        "version": PROFILE_VERSION,
+        "env": dataclasses.asdict(spec.env),
+        "model": dataclasses.asdict(spec.model),
+        "algo": dataclasses.asdict(spec.algo),
+        "roles": {r: role(r) for r in ROLES},
+        "local": local,
+        "gpu": gpu,
+    }
     text = json.dumps(content, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def profile_path(runs_root: Path, key: str) -> Path:
-    return Path(runs_root) / ".profiles" / f"{key}.json"
+    return profiles_dir(runs_root) / f"{key}.json"
 
 
-def cached_profile(loaded, runs_root: Path, local: bool) -> Optional[Dict[str, Any]]:
+def read_profile(path: Path) -> Optional[Profile]:
+    """The profile saved at `path`; None if there is none or it is of another version (a cache miss).
+    ProfileError if it is of this version but malformed."""
+    if not path.is_file():
+        return None
+    try:
+        return Profile.from_dict(json.loads(path.read_text()), source=f"profile {path}")
+    except StaleProfile as exc:
+        log.info("%s; not used", exc)
+        return None
+
+
+def cached_profile(loaded, runs_root: Path, local: bool) -> Optional[Profile]:
     """The saved profile of this spec, or None."""
-    path = profile_path(runs_root, cache_key(loaded.spec, local, gpu_model(loaded.spec, local)))
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_profile(profile_path(runs_root, cache_key(loaded.spec, local, gpu_model(loaded.spec, local))))
 
 
-def profile(loaded, runs_root: Path, local: bool = False, force: bool = False, timeout_min: int = 20,
-            budget_s: float = 60.0) -> Dict[str, Any]:
+def profile(
+    loaded, runs_root: Path, local: bool = False, force: bool = False, timeout_min: int = 20, budget_s: float = 60.0
+) -> Profile:
     """Measure the spec's roles in a submitit job (cached); return the profile."""
     spec = loaded.spec
     gpu = gpu_model(spec, local)
     key = cache_key(spec, local, gpu)
     path = profile_path(runs_root, key)
-    if path.is_file() and not force:
+    cached = None if force else read_profile(path)
+    if cached is not None:
         log.info("profile %s is cached: %s", key, path)
-        return json.loads(path.read_text())
-    folder = Path(runs_root) / ".profiles" / "jobs" / key
+        return cached
+    folder = profiles_dir(runs_root) / "jobs" / key
     groups = {None: list(ROLES)} if local else _roles_by_partition(spec)
     results: Dict[str, Any] = {}
     for partition, roles in groups.items():
@@ -123,13 +133,24 @@ def profile(loaded, runs_root: Path, local: bool = False, force: bool = False, t
         results.setdefault("overhead", part["overhead"])
         results.setdefault("cpu_count", part["cpu_count"])
         results.setdefault("hosts", []).append(part["host"])
-    results.update({"key": key, "version": PROFILE_VERSION, "gpu": gpu, "local": local, "created": time.time(),
-                    "spec": spec.name, "partitions": {r: p for r, p in partitions(spec).items()}})
+    results.update(
+        {
+            "key": key,
+            "version": PROFILE_VERSION,
+            "gpu": gpu,
+            "local": local,
+            "created": time.time(),
+            "spec": spec.name,
+            "partitions": {r: p for r, p in partitions(spec).items()},
+        }
+    )
+    text = json.dumps(results)
+    measured = Profile.from_dict(json.loads(text), source=f"profile {key} just measured")  # as a read will see it
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results))
+    tmp.write_text(text)
     os.replace(tmp, path)
-    return results
+    return measured
 
 
 def _roles_by_partition(spec) -> Dict[Optional[str], List[str]]:
@@ -144,13 +165,18 @@ def _executor(spec, folder: Path, local: bool, partition: Optional[str], roles: 
     import submitit
 
     if local:
-        executor = submitit.LocalExecutor(folder=str(folder))
-        executor.update_parameters(timeout_min=timeout_min)
-        return executor
+        local_executor = submitit.LocalExecutor(folder=str(folder))
+        local_executor.update_parameters(timeout_min=timeout_min)
+        return local_executor
     res = [spec.role_resources(r) for r in roles]
     executor = submitit.SlurmExecutor(folder=str(folder))
-    params: Dict[str, Any] = {"time": timeout_min, "cpus_per_task": max(r.cpus_per_task for r in res),
-                              "ntasks_per_node": 1, "nodes": 1, "job_name": f"vlaslurm-profile-{spec.name}"}
+    params: Dict[str, Any] = {
+        "time": timeout_min,
+        "cpus_per_task": max(r.cpus_per_task for r in res),
+        "ntasks_per_node": 1,
+        "nodes": 1,
+        "job_name": f"vlaslurm-profile-{spec.name}",
+    }
     if partition:
         params["partition"] = partition
     gpus = max(1 if r.gpus_per_node else 0 for r in res)
@@ -179,8 +205,13 @@ def measure(spec, roles: Sequence[str] = ROLES, budget_s: float = 60.0) -> Dict[
     share = budget_s / 4
     sim = _measure_simulator(spec, share)
     dims, obs = sim.pop("_dims"), sim.pop("_obs")
-    out: Dict[str, Any] = {"host": socket.gethostname(), "device": str(device),
-                           "capacity_bytes": _capacity(device), "roles": list(roles), "simulator": sim}
+    out: Dict[str, Any] = {
+        "host": socket.gethostname(),
+        "device": str(device),
+        "capacity_bytes": _capacity(device),
+        "roles": list(roles),
+        "simulator": sim,
+    }
     policy = _policy(spec, dims, device)
     out["generator"] = _measure_generator(spec, policy, obs, device, share)
     out["trainer"] = _measure_trainer(spec, dims, obs, device, share)
@@ -247,8 +278,9 @@ def _cpu_per_call(fn: Callable[[], Any], rounds: int) -> float:
 
 
 def _instance_counts(spec) -> List[int]:
-    ranks = spec.runtime.local_ranks.get("simulator") or max(1, spec.resources.simulator.tasks_per_node
-                                                               * spec.resources.simulator.nodes)
+    ranks = spec.runtime.local_ranks.get("simulator") or max(
+        1, spec.resources.simulator.tasks_per_node * spec.resources.simulator.nodes
+    )
     per_rank = max(1, spec.env.num_envs // ranks)
     return sorted({1, min(4, per_rank), per_rank, spec.env.num_envs})
 
@@ -286,11 +318,15 @@ def _measure_simulator(spec, budget_s: float) -> Dict[str, Any]:
             if len(ended):
                 episode_lens += elapsed[ended].tolist()
                 elapsed[ended] = 0
-                reset_times.append(_timed(lambda: env.reset(ended.tolist())) / len(ended))
-        batch[str(n)] = {"samples": [round(s, 7) for s in samples], **summarize(samples),
-                         "cpu_wait_mean_s": float(np.mean(waits))}
+                reset_times.append(_timed(functools.partial(env.reset, ended.tolist())) / len(ended))
+        batch[str(n)] = {
+            "samples": [round(s, 7) for s in samples],
+            **summarize(samples),
+            "cpu_wait_mean_s": float(np.mean(waits)),
+        }
         if n != counts[-1]:
             env.close()
+    assert env is not None  # counts always holds 1
     per_instance = _per_instance(env, counts[-1], rng, budget_s / 2)
     run_chunk_cpu = _run_chunk_cpu(env, spec.model.action_chunk, rng)
     dims = env_dims(env, spec.env)
@@ -298,12 +334,18 @@ def _measure_simulator(spec, budget_s: float) -> Dict[str, Any]:
     env.close()
     sizes = [int(n) for n in memory]
     per_env = float(np.polyfit(sizes, list(memory.values()), 1)[0]) if len(sizes) > 1 else 0.0
-    return {"counts": counts, "batch": batch, "per_instance": per_instance, "thread_safe": bool(env.thread_safe),
-            "reset_s": float(np.mean(reset_times)) if reset_times else 0.0,
-            "episode_len": episode_lens[:500] or [spec.env.max_episode_steps],
-            "memory": {"base": max(0.0, memory[str(sizes[0])] - per_env * sizes[0]), "per_env": max(0.0, per_env)},
-            "run_chunk_cpu_s": run_chunk_cpu,
-            "_dims": dims, "_obs": final_obs}
+    return {
+        "counts": counts,
+        "batch": batch,
+        "per_instance": per_instance,
+        "thread_safe": bool(env.thread_safe),
+        "reset_s": float(np.mean(reset_times)) if reset_times else 0.0,
+        "episode_len": episode_lens[:500] or [spec.env.max_episode_steps],
+        "memory": {"base": max(0.0, memory[str(sizes[0])] - per_env * sizes[0]), "per_env": max(0.0, per_env)},
+        "run_chunk_cpu_s": run_chunk_cpu,
+        "_dims": dims,
+        "_obs": final_obs,
+    }
 
 
 def _run_chunk_cpu(env, chunk: int, rng, rounds: int = 200) -> float:
@@ -335,7 +377,7 @@ def _per_instance(env, n: int, rng, budget_s: float) -> Dict[str, Any]:
     waits: List[float] = []
     deadline = time.perf_counter() + budget_s
     env.reset(list(range(n)))
-    seeds = rng.integers(0, 2 ** 31, n)
+    seeds = rng.integers(0, 2**31, n)
 
     def run(i: int, rounds: int) -> None:
         local = np.random.default_rng(int(seeds[i]))
@@ -357,9 +399,15 @@ def _per_instance(env, n: int, rng, budget_s: float) -> Dict[str, Any]:
         while len(rows[-1]) < PER_INSTANCE_MAX and (len(rows[-1]) < 8 or time.perf_counter() < deadline):
             for i in range(n):
                 run(i, 1)
-    return {"n": n, "threaded": bool(dispatch), "dispatch_s": float(np.mean(dispatch)) if dispatch else 0.0,
-            "cpu_s": float(np.mean(cpu)) if cpu else 0.0, "cpu_wait_mean_s": float(np.mean(waits)) if waits else 0.0,
-            "samples": [[round(s, 7) for s in row] for row in rows], "summary": [summarize(row) for row in rows]}
+    return {
+        "n": n,
+        "threaded": bool(dispatch),
+        "dispatch_s": float(np.mean(dispatch)) if dispatch else 0.0,
+        "cpu_s": float(np.mean(cpu)) if cpu else 0.0,
+        "cpu_wait_mean_s": float(np.mean(waits)) if waits else 0.0,
+        "samples": [[round(s, 7) for s in row] for row in rows],
+        "summary": [summarize(row) for row in rows],
+    }
 
 
 def _threaded_steps(env, n: int, rows: List[List[float]], seeds, deadline: float, cpu: List[float]) -> List[float]:
@@ -369,7 +417,7 @@ def _threaded_steps(env, n: int, rows: List[List[float]], seeds, deadline: float
     import queue
     from concurrent.futures import ThreadPoolExecutor
 
-    done: "queue.Queue[tuple]" = queue.Queue()
+    done: queue.Queue[tuple] = queue.Queue()
     rngs = [np.random.default_rng(int(s)) for s in seeds]
 
     def step(i: int, submitted: float) -> None:
@@ -423,35 +471,60 @@ def _overhead(spec, obs, dims, transport: Dict[str, Any], run_chunk_s: float) ->
     reply = _act_reply(chunk, action_dim)
     act_msg = decode(encode(msgs.encode_act(reply), key), key)
     obs_msg = decode(encode(msgs.encode_obs(msgs.ObsRequest([0], [0], [0], [1], stack_obs([item]), 0, 0)), key), key)
-    sim_payload = _cpu_per_call(lambda: (msgs.encode_obs(msgs.ObsRequest([0], [0], [0], [1], stack_obs([track.obs]),
-                                                                          0, 0)), msgs.decode_act(act_msg)), 300)
+    first_obs = track.obs
+    assert first_obs is not None  # start_episode set it
+    sim_payload = _cpu_per_call(
+        lambda: (
+            msgs.encode_obs(msgs.ObsRequest([0], [0], [0], [1], stack_obs([first_obs]), 0, 0)),
+            msgs.decode_act(act_msg),
+        ),
+        300,
+    )
     reply_payload = _cpu_per_call(lambda: msgs.decode_act(act_msg), 300)
     gen_payload = _cpu_per_call(lambda: (msgs.decode_obs(obs_msg), msgs.encode_act(reply)), 300)
     rounds, segments = 400, []
     start = time.process_time()
     for _ in range(rounds):
-        segments += track.record(0, reply.actions[0], reply.logprob[0], 0.0, np.zeros(chunk, np.float32),
-                                 np.ones(chunk, bool), item, False, False, False)
+        segments += track.record(
+            0,
+            reply.actions[0],
+            reply.logprob[0],
+            0.0,
+            np.zeros(chunk, np.float32),
+            np.ones(chunk, bool),
+            item,
+            False,
+            False,
+            False,
+        )
     record = (time.process_time() - start) / rounds
     sample = segments[0] if segments else fake_segments(spec, obs, dims, 1)[0]
     wire = encode(msgs.encode_segment(sample), key)
     seg_encode = _cpu_per_call(lambda: encode(msgs.encode_segment(sample), key), 50)
     seg_decode = _cpu_per_call(lambda: msgs.decode_segment(decode(wire, key)), 50)
     request = transport["client_cpu_s"] + sim_payload
-    return {"sim_request_cpu_s": request,
-            # of which a reply's part, before its step can start: receiving it, decoding the actions
-            "sim_reply_cpu_s": min(request, transport["client_recv_cpu_s"] + reply_payload),
-            "record_cpu_s": run_chunk_s + record + seg_encode * len(segments) / rounds,
-            "gen_serve_cpu_s": transport["server_burst_cpu_s"] + gen_payload,
-            "gen_wake_cpu_s": max(0.0, transport["server_cpu_s"] - transport["server_burst_cpu_s"]),
-            "segment_cpu_s": seg_decode}
+    return {
+        "sim_request_cpu_s": request,
+        # of which a reply's part, before its step can start: receiving it, decoding the actions
+        "sim_reply_cpu_s": min(request, transport["client_recv_cpu_s"] + reply_payload),
+        "record_cpu_s": run_chunk_s + record + seg_encode * len(segments) / rounds,
+        "gen_serve_cpu_s": transport["server_burst_cpu_s"] + gen_payload,
+        "gen_wake_cpu_s": max(0.0, transport["server_cpu_s"] - transport["server_burst_cpu_s"]),
+        "segment_cpu_s": seg_decode,
+    }
 
 
 def _act_reply(chunk: int, action_dim: int):
     from vlaslurm.runtime import messages as msgs
 
-    return msgs.ActReply([0], 0, 0, np.zeros((1, chunk, action_dim), np.float32), np.zeros((1, chunk), np.float32),
-                         np.zeros(1, np.float32))
+    return msgs.ActReply(
+        [0],
+        0,
+        0,
+        np.zeros((1, chunk, action_dim), np.float32),
+        np.zeros((1, chunk), np.float32),
+        np.zeros(1, np.float32),
+    )
 
 
 def _policy(spec, dims, device):
@@ -501,7 +574,7 @@ def _measure_generator(spec, policy, obs, device, budget_s: float) -> Dict[str, 
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
-        def forward() -> None:
+        def forward(req: msgs.ObsRequest = req) -> None:
             with torch.no_grad():
                 out = policy.act(to_policy_input([req], device))
             [x.float().cpu().numpy() for x in (out.actions, out.logprob, out.value)]
@@ -513,14 +586,15 @@ def _measure_generator(spec, policy, obs, device, budget_s: float) -> Dict[str, 
         seconds.append(float(np.quantile(times[:, 0], 0.25)))  # a busy machine's spikes inflate means and medians
         cpu.append(float(np.quantile(times[:, 1], 0.25)))
         waits.append(float(times[:, 2].mean()))
-        memory[str(b)] = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                          else max(0.0, _rss() - before))
+        memory[str(b)] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else max(0.0, _rss() - before)
     weights = float(sum(t.numel() * t.element_size() for t in policy.state_dict().values()))
     per_item = float(np.polyfit(sizes, [memory[str(b)] for b in sizes], 1)[0]) if len(sizes) > 1 else 0.0
-    return {"forward": {"sizes": sizes, "seconds": seconds, "cpu_seconds": cpu, "cpu_wait_mean_s": waits},
-            "weights_bytes": weights,
-            "request_s": _request_s(spec, obs),
-            "memory": {"base": weights, "per_item": max(0.0, per_item)}}
+    return {
+        "forward": {"sizes": sizes, "seconds": seconds, "cpu_seconds": cpu, "cpu_wait_mean_s": waits},
+        "weights_bytes": weights,
+        "request_s": _request_s(spec, obs),
+        "memory": {"base": weights, "per_item": max(0.0, per_item)},
+    }
 
 
 def _request_s(spec, obs) -> float:
@@ -531,8 +605,9 @@ def _request_s(spec, obs) -> float:
     key = b"k" * 32
     chunk = spec.model.action_chunk
     wire = encode(msgs.encode_obs(msgs.ObsRequest([0], [0], [0], [0], _tile_obs(obs, 1), 0, 0)), key)
-    reply = msgs.ActReply([0], 0, 0, np.zeros((1, chunk, 7), np.float32), np.zeros((1, chunk), np.float32),
-                          np.zeros(1, np.float32))
+    reply = msgs.ActReply(
+        [0], 0, 0, np.zeros((1, chunk, 7), np.float32), np.zeros((1, chunk), np.float32), np.zeros(1, np.float32)
+    )
     rounds = 300
     start = time.perf_counter()
     for _ in range(rounds):
@@ -550,18 +625,36 @@ def fake_segments(spec, obs, dims, steps: int) -> List[Any]:
     length = max(1, min(64, spec.env.max_episode_steps // chunk))
     item = split_obs(obs)[0]
     rng = np.random.default_rng(0)
-    segments, total = [], 0
+    segments: List[Segment] = []
+    total = 0
     while total < steps:
         images = None if item[0] is None else np.stack([item[0]] * (length + 1))
         state = None if item[1] is None else np.stack([item[1]] * (length + 1)).astype(np.float32)
-        segments.append(Segment(
-            traj_id=f"p-{len(segments)}", env_id=len(segments), episode=0, index=0, task="profile",
-            instruction=item[2], version=0, images=images, state=state,
-            actions=rng.uniform(-1, 1, (length, chunk, action_dim)).astype(np.float32),
-            logprob=np.full((length, chunk), -1.0, np.float32), value=np.zeros(length, np.float32),
-            rewards=rng.random((length, chunk)).astype(np.float32), mask=np.ones((length, chunk), bool),
-            step_ids=np.arange(length) * chunk, versions=np.zeros(length, np.int64), terminated=False,
-            truncated=True, success=False, t_start=0.0, t_end=0.0))
+        segments.append(
+            Segment(
+                traj_id=f"p-{len(segments)}",
+                env_id=len(segments),
+                episode=0,
+                index=0,
+                task="profile",
+                instruction=item[2],
+                version=0,
+                images=images,
+                state=state,
+                actions=rng.uniform(-1, 1, (length, chunk, action_dim)).astype(np.float32),
+                logprob=np.full((length, chunk), -1.0, np.float32),
+                value=np.zeros(length, np.float32),
+                rewards=rng.random((length, chunk)).astype(np.float32),
+                mask=np.ones((length, chunk), bool),
+                step_ids=np.arange(length) * chunk,
+                versions=np.zeros(length, np.int64),
+                terminated=False,
+                truncated=True,
+                success=False,
+                t_start=0.0,
+                t_end=0.0,
+            )
+        )
         total += length * chunk
     return segments
 
@@ -583,7 +676,7 @@ def _measure_trainer(spec, dims, obs, device, budget_s: float) -> Dict[str, Any]
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
-        def update() -> None:
+        def update(segments: List[Any] = segments) -> None:
             learner.update(collate(segments).to(device), 0)
             _sync(device)
 
@@ -593,18 +686,22 @@ def _measure_trainer(spec, dims, obs, device, budget_s: float) -> Dict[str, Any]
         seconds.append(float(np.min(times[:, 0])))
         cpu.append(float(np.min(times[:, 1])))
         waits.append(float(times[:, 2].mean()))
-        memory[str(sizes[-1])] = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                                  else max(0.0, _rss() - before))
+        memory[str(sizes[-1])] = (
+            torch.cuda.max_memory_allocated(device) if device.type == "cuda" else max(0.0, _rss() - before)
+        )
     opt = getattr(learner, "opt", None)
     opt_bytes = 0.0
     if opt is not None:
-        opt_bytes = float(sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-                              if torch.is_tensor(v)))
+        opt_bytes = float(
+            sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+        )
     weights = float(sum(t.numel() * t.element_size() for t in policy.state_dict().values()))
     per_step = float(np.polyfit(sizes, [memory[str(s)] for s in sizes], 1)[0]) if len(sizes) > 1 else 0.0
-    return {"update": {"sizes": sizes, "seconds": seconds, "cpu_seconds": cpu, "cpu_wait_mean_s": waits},
-            "optimizer_bytes": opt_bytes,
-            "memory": {"base": 2 * weights + opt_bytes, "per_step": max(0.0, per_step)}}
+    return {
+        "update": {"sizes": sizes, "seconds": seconds, "cpu_seconds": cpu, "cpu_wait_mean_s": waits},
+        "optimizer_bytes": opt_bytes,
+        "memory": {"base": 2 * weights + opt_bytes, "per_step": max(0.0, per_step)},
+    }
 
 
 def _measure_weights(policy, device) -> Dict[str, Any]:
@@ -612,20 +709,36 @@ def _measure_weights(policy, device) -> Dict[str, Any]:
 
     state = {k: v.detach() for k, v in policy.state_dict().items()}
     nbytes = float(sum(t.numel() * t.element_size() for t in state.values()))
-    copies = [_timed(lambda: ([t.clone() for t in state.values()], _sync(device))) for _ in range(5)]
+
+    def clone_all() -> List[Any]:
+        clones = [t.clone() for t in state.values()]
+        _sync(device)
+        return clones
+
+    copies = [_timed(clone_all) for _ in range(5)]
     copy_bw = nbytes / max(np.median(copies), 1e-9)
     h2d_bw = copy_bw
     if device.type == "cuda":
         host = {k: v.cpu().pin_memory() for k, v in state.items()}
-        times = [_timed(lambda: ([t.to(device, non_blocking=True) for t in host.values()], _sync(device)))
-                 for _ in range(5)]
+
+        def to_device() -> List[Any]:
+            moved = [t.to(device, non_blocking=True) for t in host.values()]
+            _sync(device)
+            return moved
+
+        times = [_timed(to_device) for _ in range(5)]
         h2d_bw = nbytes / max(np.median(times), 1e-9)
     with tempfile.TemporaryDirectory() as tmp:
         pub, sub = FilesystemPublisher(tmp), FilesystemSubscriber(tmp, device=device, check_interval_s=0.0)
         publish = _timed(lambda: pub.publish(0, state))
         install = _timed(lambda: sub.poll())
-    return {"bytes": nbytes, "copy_bytes_per_s": float(copy_bw), "h2d_bytes_per_s": float(h2d_bw),
-            "filesystem_publish_s": publish, "filesystem_install_s": install}
+    return {
+        "bytes": nbytes,
+        "copy_bytes_per_s": float(copy_bw),
+        "h2d_bytes_per_s": float(h2d_bw),
+        "filesystem_publish_s": publish,
+        "filesystem_install_s": install,
+    }
 
 
 def _measure_transport(spec, obs, dims) -> Dict[str, Any]:
@@ -647,8 +760,13 @@ def _measure_transport(spec, obs, dims) -> Dict[str, Any]:
     from vlaslurm.runtime.transport import Dealer
 
     key = os.urandom(32)
-    echo = subprocess.Popen([sys.executable, "-c", "from vlaslurm.placement.profile import _echo_server; _echo_server()"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    echo = subprocess.Popen(
+        [sys.executable, "-c", "from vlaslurm.placement.profile import _echo_server; _echo_server()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert echo.stdin is not None and echo.stdout is not None  # both are pipes
     try:
         echo.stdin.write(f"{key.hex()} {spec.model.action_chunk} {dims['action_dim']}\n")
         echo.stdin.flush()
@@ -662,8 +780,10 @@ def _measure_transport(spec, obs, dims) -> Dict[str, Any]:
             _, burst_send, burst_recv = _echo_rounds(dealer, req, ECHO_BURST, ECHO_WARMUP + 60, ECHO_WARMUP)
             dealer.send(msgs.ctl(0, 0, False))
             server_burst_cpu = float(echo.stdout.readline())
-            idle = {gap: float(np.mean(_echo_rounds(dealer, req, 1, IDLE_WARMUP + IDLE_ROUNDS, IDLE_WARMUP, gap)[0]))
-                    for gap in IDLE_GAPS_S}
+            idle = {
+                gap: float(np.mean(_echo_rounds(dealer, req, 1, IDLE_WARMUP + IDLE_ROUNDS, IDLE_WARMUP, gap)[0]))
+                for gap in IDLE_GAPS_S
+            }
             dealer.send(msgs.ctl(0, 0, True))
             echo.stdout.readline()  # its CPU over the idle series: not used
     finally:
@@ -672,15 +792,26 @@ def _measure_transport(spec, obs, dims) -> Dict[str, Any]:
         except subprocess.TimeoutExpired:
             echo.kill()
     rtt = float(np.mean(times))
-    return {"round_trip_s": rtt, "round_trip_p99_s": float(np.quantile(times, 0.99)), "hop_s": rtt / 2,
-            "client_cpu_s": send_cpu + recv_cpu, "client_send_cpu_s": send_cpu, "client_recv_cpu_s": recv_cpu,
-            "server_cpu_s": server_cpu, "client_burst_cpu_s": burst_send + burst_recv,
-            "server_burst_cpu_s": server_burst_cpu, "burst": ECHO_BURST,
-            "idle_s": list(idle), "idle_round_trip_s": list(idle.values()), "load_average": os.getloadavg()[0]}
+    return {
+        "round_trip_s": rtt,
+        "round_trip_p99_s": float(np.quantile(times, 0.99)),
+        "hop_s": rtt / 2,
+        "client_cpu_s": send_cpu + recv_cpu,
+        "client_send_cpu_s": send_cpu,
+        "client_recv_cpu_s": recv_cpu,
+        "server_cpu_s": server_cpu,
+        "client_burst_cpu_s": burst_send + burst_recv,
+        "server_burst_cpu_s": server_burst_cpu,
+        "burst": ECHO_BURST,
+        "idle_s": list(idle),
+        "idle_round_trip_s": list(idle.values()),
+        "load_average": os.getloadavg()[0],
+    }
 
 
-def _echo_rounds(dealer, request, burst: int, rounds: int, warmup: int,
-                 idle_s: float = 0.002) -> Tuple[List[float], float, float]:
+def _echo_rounds(
+    dealer, request, burst: int, rounds: int, warmup: int, idle_s: float = 0.002
+) -> Tuple[List[float], float, float]:
     """`rounds` rounds of `burst` requests sent at once and their replies, each after `idle_s` of quiet;
     the round trips' wall times and the client's CPU seconds per request sending and receiving, all after
     the first `warmup` rounds."""

@@ -1,21 +1,12 @@
-"""Choose a placement: enumerate candidates, reject those that do not fit memory, simulate, rank.
+"""Search placements: enumerate candidates, reject those that do not fit memory, simulate, score.
 
-A candidate splits `units` (GPUs; ranks of a CPU-only spec) between the roles:
-- disaggregated: simulator + generator + trainer units add up to the budget;
-- hybrid: simulator + generator units add up to it, the trainer spans all of them
-  between rollouts (lock-step modes only: it trains while nothing rolls out; GPU specs only);
-- collocated: every role on every unit, taking turns (sync and pipelined only).
-Modes are only those the spec allows (`resources.auto.modes`, default its own
-`rollout.mode`); pipelined tries depth 2 and 4 (depth 1 is sync).
-
-Ranking is a two-stage search so that 256 GPUs stay quick: a closed-form estimate
-orders the structural candidates (mode, layout, split, depth), the best ones are
-simulated, and the best few of those are simulated again with other batching.
-
-Candidates predicted within the model's uncertainty of the best (`TOLERANCE`, or
-twice the simulation's own standard error if larger) are not told apart by their
-throughput: among them the most robust comes first (`most_robust`).
+A candidate splits `units` (GPUs; ranks of a CPU-only spec) between the roles in a mode and a
+layout (disaggregated, hybrid, collocated). `score_candidates` orders them by a closed-form
+estimate, simulates the best and re-simulates the best few with other batching; candidates within
+the model's uncertainty of the best are ordered by robustness (`most_robust`).
+Details: docs/placement.md
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -25,17 +16,17 @@ import numpy as np
 
 from vlaslurm.placement.costs import Costs
 from vlaslurm.placement.simulate import Candidate, Prediction, Workload, cpu_bound, cpu_pools, simulate
+from vlaslurm.runtime.schedule import Pipelined, Schedule
+from vlaslurm.spec.schema import Mode
 
-GiB = 2.0 ** 30
+GiB = 2.0**30
 LOCKSTEP_LAYOUTS = ("disaggregated", "hybrid", "collocated")
-# Relative difference below which two predictions are a tie. Kept well under the 5% a choice may lose
-# against the best measured: in the validation, candidates' prediction errors differ by a few percent,
-# and a tie decided on robustness can cost the band plus that difference.
+# Relative difference below which two predictions are a tie (why this value: docs/placement.md).
 TOLERANCE = 0.02
 
 
 @dataclass
-class Ranked:
+class Scored:
     """A candidate with its prediction, or with the reason it was rejected."""
 
     cand: Candidate
@@ -47,7 +38,7 @@ class Ranked:
         return self.pred.used_sps if self.pred else -1.0
 
 
-def allowed_modes(spec) -> List[str]:
+def allowed_modes(spec) -> List[Mode]:
     return list(spec.resources.auto.modes) or [spec.rollout.mode]
 
 
@@ -67,11 +58,12 @@ def candidates(spec, units: int, num_envs: int, step: int = 1) -> Iterator[Candi
     b = spec.rollout.batching
     on_gpu = any(spec.role_resources(r).gpus_per_node for r in ("simulator", "generator", "trainer"))
     for mode in allowed_modes(spec):
-        depths = (2, 4) if mode == "pipelined" else (1,)
-        layouts = ("disaggregated",) if mode == "async" else LOCKSTEP_LAYOUTS
+        depths = (2, 4) if Schedule.kind(mode) is Pipelined else (1,)
+        layouts: Tuple[str, ...] = LOCKSTEP_LAYOUTS if Schedule.kind(mode).lockstep else ("disaggregated",)
         if not on_gpu:  # hybrid's trainer takes one rank per GPU of the others: no GPUs, no hybrid
             layouts = tuple(x for x in layouts if x != "hybrid")
         for layout in layouts:
+            shapes: List[Tuple[int, ...]]
             if layout == "collocated":
                 shapes = [(units, units, units)]
             elif layout == "hybrid":
@@ -103,15 +95,19 @@ def memory_check(cand: Candidate, work: Workload, costs: Costs) -> str:
         phases = m.collocated_phases(envs, min(cand.max_batch, work.num_envs), work.steps_per_update / cand.train)
         phase, need = max(phases.items(), key=lambda kv: kv[1])
         if need > cap:
-            return (f"collocated: {phase} phase needs {gib(need)} GiB > {gib(cap)} GiB per {where} (simulator "
-                    f"{gib(sim)} GiB for {envs:g} envs, generator {gib(gen)}, trainer {gib(train)}; generator "
-                    f"weights {gib(m.gen_offload)} and trainer state {gib(m.train_offload)} GiB offloaded between "
-                    f"phases)")
+            return (
+                f"collocated: {phase} phase needs {gib(need)} GiB > {gib(cap)} GiB per {where} (simulator "
+                f"{gib(sim)} GiB for {envs:g} envs, generator {gib(gen)}, trainer {gib(train)}; generator "
+                f"weights {gib(m.gen_offload)} and trainer state {gib(m.train_offload)} GiB offloaded between "
+                f"phases)"
+            )
     elif cand.layout == "hybrid":
         need = max(sim, gen) + train
         if need > cap:
-            return (f"hybrid: max(simulator {gib(sim)}, generator {gib(gen)}) + trainer {gib(train)} GiB = "
-                    f"{gib(need)} GiB > {gib(cap)} GiB per {where}")
+            return (
+                f"hybrid: max(simulator {gib(sim)}, generator {gib(gen)}) + trainer {gib(train)} GiB = "
+                f"{gib(need)} GiB > {gib(cap)} GiB per {where}"
+            )
     else:
         for role, need in (("simulator", sim), ("generator", gen), ("trainer", train)):
             if need > cap:
@@ -121,8 +117,10 @@ def memory_check(cand: Candidate, work: Workload, costs: Costs) -> str:
 
 def estimate(cand: Candidate, work: Workload, costs: Costs) -> float:
     """A quick closed-form throughput estimate (env steps/s) to order candidates before simulating."""
-    return min(_pipeline_estimate(cand, work, costs),
-               cpu_bound(cpu_demand(cand, work, costs), cpu_pools(cand, work, costs.host_cores)))
+    return min(
+        _pipeline_estimate(cand, work, costs),
+        cpu_bound(cpu_demand(cand, work, costs), cpu_pools(cand, work, costs.host_cores)),
+    )
 
 
 def cpu_demand(cand: Candidate, work: Workload, costs: Costs) -> Dict[str, float]:
@@ -131,14 +129,16 @@ def cpu_demand(cand: Candidate, work: Workload, costs: Costs) -> Dict[str, float
     if cpu is None:
         return {}
     C = work.chunk
-    k = cand.depth if cand.mode == "pipelined" else 1
-    n = 1 if cand.mode == "async" else max(1, work.num_envs // cand.sim // k)  # instances per request
-    items = n if cand.mode == "async" else n * max(1, cand.sim // cand.gen)
-    b = max(1, min(cand.max_batch, work.num_envs // cand.gen if cand.mode == "async" else items))
+    sched = work.schedule(cand)
+    n = max(1, work.num_envs // cand.sim // sched.depth) if sched.lockstep else 1  # instances per request
+    items = n * max(1, cand.sim // cand.gen) if sched.lockstep else n
+    b = max(1, min(cand.max_batch, items if sched.lockstep else work.num_envs // cand.gen))
     spu = work.steps_per_update
-    return {"simulator": cpu.step_s + (cpu.request_s / n + cpu.record_s) / C,
-            "generator": (cpu.forward_s(b) + cpu.wake_s) / (b * C) + cpu.serve_s / (n * C),
-            "trainer": cpu.update_s(spu / cand.train) * cand.train / spu}
+    return {
+        "simulator": cpu.step_s + (cpu.request_s / n + cpu.record_s) / C,
+        "generator": (cpu.forward_s(b) + cpu.wake_s) / (b * C) + cpu.serve_s / (n * C),
+        "trainer": cpu.update_s(spu / cand.train) * cand.train / spu,
+    }
 
 
 def _pipeline_estimate(cand: Candidate, work: Workload, costs: Costs) -> float:
@@ -146,7 +146,8 @@ def _pipeline_estimate(cand: Candidate, work: Workload, costs: Costs) -> float:
     per = work.num_envs // cand.sim
     ids = costs.instance_map(per)
     train = costs.train_s(work.steps_per_update, cand.train) + costs.publish_s + costs.install_s
-    if cand.mode == "async":
+    sched = work.schedule(cand)
+    if not sched.lockstep:
         b = max(1, min(cand.max_batch, work.num_envs // cand.gen))
         # Each step waits at least a forward for its actions, so its thread wakes from a sleep that long
         # (the rank's main thread, shared by its instances, is left to the simulation).
@@ -154,8 +155,8 @@ def _pipeline_estimate(cand: Candidate, work: Workload, costs: Costs) -> float:
         sim_cap = cand.sim * (float(np.sum(C / means)) if costs.thread_safe else C * per / float(means.sum()))
         gen_cap = cand.gen * b * C / (costs.forward_s(b) + cand.max_wait_ms / 2000.0)
         return min(sim_cap, gen_cap, work.steps_per_update / train)
-    k = cand.depth if cand.mode == "pipelined" else 1
-    group = np.array_split(ids, k)
+    k = sched.depth
+    group = [ids[g] for g in sched.sub_groups(per)]
     steps = [costs.mean_group_step(g, draws=16) * C for g in group]
     step = max(steps) if costs.thread_safe else sum(steps)  # sub-groups side by side, or taking turns
     items = per * max(1, cand.sim // cand.gen) / k
@@ -172,7 +173,7 @@ def _pipeline_estimate(cand: Candidate, work: Workload, costs: Costs) -> float:
         cycle = max(step + fwd / k, fwd) if costs.thread_safe else max(step, fwd)
     wakes = 2 if costs.thread_safe and costs.reply_s > 0 else 1
     cycle += 2 * costs.hop_s + costs.wake_after_s(gen_sleep) + wakes * costs.wake_after_s(thread_sleep)
-    decisions = work.chunks_per_phase(k)
+    decisions = work.chunks_per_phase(cand)
     swap = costs.swap_s if cand.layout == "collocated" else 0.0
     return work.num_envs * C * decisions / (decisions * cycle + train + swap)
 
@@ -180,7 +181,7 @@ def _pipeline_estimate(cand: Candidate, work: Workload, costs: Costs) -> float:
 def batching_options(cand: Candidate, work: Workload) -> List[Tuple[int, float]]:
     """Batching to try on a good structural candidate."""
     per_gen = max(1, work.num_envs // cand.gen)
-    if cand.mode == "async":
+    if not work.schedule(cand).lockstep:
         sizes = sorted({max(1, per_gen // d) for d in (1, 2, 4)} | {cand.max_batch})
         waits = sorted({0.0, 2.0, cand.max_wait_ms})
     else:  # lock-step: a full request set never waits when max_batch is what arrives together
@@ -189,8 +190,15 @@ def batching_options(cand: Candidate, work: Workload) -> List[Tuple[int, float]]
     return [(b, w) for b in sizes for w in waits]
 
 
-def rank(spec, costs: Costs, units: Optional[int] = None, work: Optional[Workload] = None, simulate_top: int = 16,
-         tune_top: int = 4, updates: int = 24) -> List[Ranked]:
+def score_candidates(
+    spec,
+    costs: Costs,
+    units: Optional[int] = None,
+    work: Optional[Workload] = None,
+    simulate_top: int = 16,
+    tune_top: int = 4,
+    updates: int = 24,
+) -> List[Scored]:
     """Every candidate for `units`, best first; rejected ones last with their reasons."""
     work = work or Workload.from_spec(spec)
     units = units or default_units(spec)
@@ -200,17 +208,17 @@ def rank(spec, costs: Costs, units: Optional[int] = None, work: Optional[Workloa
     pool, rejected = [], []
     for cand in candidates(spec, units, work.num_envs, step):
         why = memory_check(cand, work, costs)
-        (rejected.append(Ranked(cand, rejected=why)) if why else pool.append(cand))
+        (rejected.append(Scored(cand, rejected=why)) if why else pool.append(cand))
     pool.sort(key=lambda c: -estimate(c, work, costs))
-    done: Dict[Candidate, Ranked] = {}
+    done: Dict[Candidate, Scored] = {}
     for cand in pool[:simulate_top]:
-        done[cand] = Ranked(cand, predict(cand, work, costs, updates))
+        done[cand] = Scored(cand, predict(cand, work, costs, updates))
     best = sorted(done.values(), key=lambda r: -r.score)[:tune_top]
     for r in best:
         for b, w in batching_options(r.cand, work):
             cand = replace(r.cand, max_batch=b, max_wait_ms=w)
             if cand not in done and not memory_check(cand, work, costs):
-                done[cand] = Ranked(cand, predict(cand, work, costs, updates))
+                done[cand] = Scored(cand, predict(cand, work, costs, updates))
     return order(list(done.values())) + rejected
 
 
@@ -229,9 +237,9 @@ def predict(cand: Candidate, work: Workload, costs: Costs, updates: int, longest
     return pred
 
 
-def order(ranked: List[Ranked]) -> List[Ranked]:
+def order(scored: List[Scored]) -> List[Scored]:
     """Best first: repeatedly the most robust of the candidates still left (`most_robust`)."""
-    left = sorted(ranked, key=lambda r: -r.score)
+    left = sorted(scored, key=lambda r: -r.score)
     out = []
     while left:
         out.append(most_robust(left))
@@ -239,29 +247,26 @@ def order(ranked: List[Ranked]) -> List[Ranked]:
     return out
 
 
-# What makes a run less exposed to what the model does not see, most important first: lower predicted
-# Δv p99 (fresher data: less off-policy correction, fewer drops when a role slows down), fewer processes
-# (less CPU contention, fewer ranks to fail), a shorter batching wait (batches that fill only with what
-# comes back within the wait hang on a few tenths of a millisecond per decision), and a larger max_batch
-# (fewer batches: less of the per-batch work and wake-ups, which shared cores make dearer than the profile,
-# made one role at a time, measured). In five validation runs the smaller max_batch of a tie measured from
-# 4.7% slower to 3.4% faster than 16 (0.6% slower on average); preferring the larger kept every choice
-# within 0.97 of the best measured, the higher prediction alone once chose 0.95.
+# What makes a run less exposed to what the model does not see, most important first (why each, and the
+# validation behind the order: docs/placement.md).
 # Each criterion: what `plan` calls it, and the key whose least value is most robust.
-ROBUSTNESS = (("lower Δv p99", lambda r: r.pred.lag["p99"]),
-              ("fewer processes", lambda r: r.cand.sim + r.cand.gen + r.cand.train),
-              ("shorter max_wait", lambda r: r.cand.max_wait_ms),
-              ("larger max_batch", lambda r: -r.cand.max_batch))
+ROBUSTNESS = (
+    ("lower Δv p99", lambda r: r.pred.lag["p99"]),
+    ("fewer processes", lambda r: r.cand.sim + r.cand.gen + r.cand.train),
+    ("shorter max_wait", lambda r: r.cand.max_wait_ms),
+    ("larger max_batch", lambda r: -r.cand.max_batch),
+)
 
 
-def most_robust(ranked: Sequence[Ranked]) -> Ranked:
-    """The candidate to run among `ranked`: for each ROBUSTNESS criterion in turn, keep those predicted
+def most_robust(scored: Sequence[Scored]) -> Scored:
+    """The candidate to run among `scored`: for each ROBUSTNESS criterion in turn, keep those predicted
     within the uncertainty of the best kept so far (`TOLERANCE`, or twice its simulation's standard error)
     and, of them, those best on the criterion; then the highest prediction. So throughput decides
     wherever the model can tell candidates apart, robustness where it cannot."""
-    pool = list(ranked)
+    pool = list(scored)
     for _, criterion in ROBUSTNESS:
         top = max(pool, key=lambda r: r.score)
+        assert top.pred is not None  # only predicted candidates are ordered (score_candidates)
         tol = max(TOLERANCE, 2 * top.pred.spread)
         pool = [r for r in pool if r.score >= top.score * (1 - tol)]
         least = min(criterion(r) for r in pool)
@@ -269,11 +274,11 @@ def most_robust(ranked: Sequence[Ranked]) -> Ranked:
     return max(pool, key=lambda r: r.score)
 
 
-def choose(ranked: Sequence[Ranked]) -> Ranked:
+def choose(scored: Sequence[Scored]) -> Scored:
     """The best candidate that fits; raise ValueError naming why each was rejected if none does."""
-    fitting = [r for r in ranked if r.pred is not None]
+    fitting = [r for r in scored if r.pred is not None]
     if not fitting:
-        reasons = sorted({r.rejected for r in ranked})
+        reasons = sorted({r.rejected for r in scored})
         raise ValueError("no placement fits: " + "; ".join(reasons[:5]))
     return fitting[0]
 
@@ -306,28 +311,41 @@ def scaled_workload(spec, units: int) -> Tuple[Workload, str]:
     factor = units / base
     envs = max(16, 16 * int(round(work.num_envs * factor / 16)))  # a multiple of 16: many rank counts divide it
     spu = max(1, int(round(work.steps_per_update * factor)))
-    note = (f"scaled from {base} to {units} units: env.num_envs {work.num_envs} -> {envs}, "
-            f"algo.steps_per_update {work.steps_per_update} -> {spu} (weak scaling)")
+    note = (
+        f"scaled from {base} to {units} units: env.num_envs {work.num_envs} -> {envs}, "
+        f"algo.steps_per_update {work.steps_per_update} -> {spu} (weak scaling)"
+    )
     return replace(work, num_envs=envs, steps_per_update=spu), note
 
 
-def apply(loaded, ranked_or_cand, gpus_per_node: int = 8) -> List[str]:
+def apply(loaded, scored_or_cand, gpus_per_node: int = 8) -> List[str]:
     """The `key=value` overrides that make the spec run `candidate` (and stop asking for auto placement)."""
-    cand = ranked_or_cand.cand if isinstance(ranked_or_cand, Ranked) else ranked_or_cand
+    cand = scored_or_cand.cand if isinstance(scored_or_cand, Scored) else scored_or_cand
     spec = loaded.spec
     on_gpu = any(spec.role_resources(r).gpus_per_node for r in ("simulator", "generator", "trainer"))
-    out = [f"rollout.mode={cand.mode}", f"rollout.pipeline_depth={cand.depth}",
-           f"rollout.batching.max_batch={cand.max_batch}", f"rollout.batching.max_wait_ms={cand.max_wait_ms:g}",
-           f"resources.layout={cand.layout}", "resources.placement=manual"]
+    out = [
+        f"rollout.mode={cand.mode}",
+        f"rollout.pipeline_depth={cand.depth}",
+        f"rollout.batching.max_batch={cand.max_batch}",
+        f"rollout.batching.max_wait_ms={cand.max_wait_ms:g}",
+        f"resources.layout={cand.layout}",
+        "resources.placement=manual",
+    ]
     for role, units in (("simulator", cand.sim), ("generator", cand.gen), ("trainer", cand.train)):
         if on_gpu:
             per_node = max(d for d in range(1, min(units, gpus_per_node) + 1) if units % d == 0)
             nodes = units // per_node  # e.g. 12 GPUs on 8-GPU nodes: 2 nodes of 6
-            out += [f"resources.{role}.nodes={nodes}", f"resources.{role}.gpus_per_node={per_node}",
-                    f"resources.{role}.tasks_per_node={per_node}"]
+            out += [
+                f"resources.{role}.nodes={nodes}",
+                f"resources.{role}.gpus_per_node={per_node}",
+                f"resources.{role}.tasks_per_node={per_node}",
+            ]
         else:
-            out += [f"resources.{role}.nodes=1", f"resources.{role}.gpus_per_node=0",
-                    f"resources.{role}.tasks_per_node={units}"]
+            out += [
+                f"resources.{role}.nodes=1",
+                f"resources.{role}.gpus_per_node=0",
+                f"resources.{role}.tasks_per_node={units}",
+            ]
     if not on_gpu or spec.runtime.local_ranks:  # local runs start exactly these ranks
         out.append(f"runtime.local_ranks={{simulator: {cand.sim}, generator: {cand.gen}, trainer: {cand.train}}}")
     return out

@@ -1,48 +1,25 @@
 """A discrete-event simulation of the three-role pipeline, one candidate placement at a time.
 
-It replays what the runtime's roles do (vlaslurm/runtime/roles), with costs drawn
-from a `Costs`:
-- simulator ranks: lock-step phases (sync: one group; pipelined: k sub-groups, side
-  by side in threads where the env allows it, else taking turns on the rank's one
-  thread), or async (each environment requests alone, a rank steps as many at once
-  as it has threads);
-- generator replicas: dynamic batching (serve when `max_batch` items wait or the
-  oldest has waited `max_wait_ms`; a request newer than the replica's weights waits);
-- trainer: at the end of every phase (lock-step) or every `steps_per_update` env
-  steps (async), updates, then publishes; Δv = trainer version - segment version;
-  past `max_staleness` a segment is dropped, or (`hold`) generators stop serving.
-
-Latency beyond the measured work: a hop per message, and a wake-up (`Costs.wake_after_s`,
-measured as round trips after idle gaps) wherever a decision's message finds its receiver
-asleep (the trainer's messages, its weights and its credit, are not charged):
-a request or its batch timer wakes a generator asleep in its poll (idle, or waiting for
-a batch to fill), a reply the simulator thread that steps its instances, idle since its
-last chunk. Each rank's main thread does its per-message work one message at a time:
-receiving each reply before its step can start (`reply_s`), then each result's
-bookkeeping and the next request; a reply or a finished chunk that finds it asleep in
-its poll wakes it first.
-
-Throughput is measured as the runtime's `charts/SPS` is: env steps the trainer
-received per second, between two of its progress reports (the warm-up excluded).
-
-The event simulation charges wall times. Beside them it adds up CPU seconds per
-role (`Costs.cpu`: env steps, forwards, updates and the runtime's per-decision
-work); roles that share cores cannot go faster than
-cores / (CPU seconds per env step of the roles on them), so the prediction is the
-lower of the two (`cpu_pools` says which roles share which cores).
+It replays what the runtime's roles do (vlaslurm/runtime/roles: lock-step or async simulator
+ranks, dynamically batching generators, a trainer bounded by `max_staleness`) with costs drawn
+from a `Costs`, charging message hops and wake-ups beside the measured work. Throughput is the
+runtime's `charts/SPS`, bounded by the CPU seconds of the roles that share cores (`cpu_pools`).
+Details: docs/placement.md
 """
+
 from __future__ import annotations
 
 import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple, cast
 
 import numpy as np
 
 from vlaslurm.placement.costs import Costs
-from vlaslurm.runtime.episodes import chunks_per_phase
+from vlaslurm.runtime.schedule import Pipelined, Schedule
+from vlaslurm.spec.schema import BatchingConfig, Mode, RolloutConfig, StalePolicy
 
 MAX_SEGMENT_STEPS = 64  # the simulator's segment length cap (runtime/roles/simulator.py)
 ROLES = ("simulator", "generator", "trainer")
@@ -52,7 +29,7 @@ ROLES = ("simulator", "generator", "trainer")
 class Candidate:
     """One placement: mode, layout, units (GPUs, or ranks on a CPU-only spec) per role, depth and batching."""
 
-    mode: str
+    mode: Mode
     layout: str
     sim: int
     gen: int
@@ -71,9 +48,11 @@ class Candidate:
         return self.sim + self.gen + self.train
 
     def label(self) -> str:
-        k = f" k={self.depth}" if self.mode == "pipelined" else ""
-        return (f"{self.mode}{k} {self.layout} s{self.sim}/g{self.gen}/t{self.train} "
-                f"b{self.max_batch} w{self.max_wait_ms:g}")
+        k = f" k={self.depth}" if Schedule.kind(self.mode) is Pipelined else ""
+        return (
+            f"{self.mode}{k} {self.layout} s{self.sim}/g{self.gen}/t{self.train} "
+            f"b{self.max_batch} w{self.max_wait_ms:g}"
+        )
 
 
 @dataclass(frozen=True)
@@ -84,20 +63,41 @@ class Workload:
     chunk: int
     steps_per_update: int
     max_staleness: int = 0
-    stale_policy: str = "drop"
+    stale_policy: StalePolicy = "drop"
     cpus: Tuple[float, float, float] = (1.0, 1.0, 1.0)  # cpus_per_task of a simulator, generator, trainer rank
     episode_limit: int = 0  # the most env steps an episode lasts (sync phases run at least that long)
+    group_size: int = 1  # GRPO: episodes per group (`algo.episodes_per_group`)
 
     @classmethod
-    def from_spec(cls, spec) -> "Workload":
+    def from_spec(cls, spec) -> Workload:
         r = spec.rollout
-        cpus = tuple(float(spec.role_resources(role).cpus_per_task) for role in ROLES)
-        return cls(spec.env.num_envs, spec.model.action_chunk, spec.algo.steps_per_update, r.max_staleness,
-                   r.stale_policy, cpus, spec.env.episode_limit())
+        sim, gen, train = (float(spec.role_resources(role).cpus_per_task) for role in ROLES)
+        return cls(
+            spec.env.num_envs,
+            spec.model.action_chunk,
+            spec.algo.steps_per_update,
+            r.max_staleness,
+            r.stale_policy,
+            (sim, gen, train),
+            spec.env.episode_limit(),
+            spec.algo.episodes_per_group,
+        )
 
-    def chunks_per_phase(self, depth: int) -> int:
-        """The decisions of one lock-step phase, as the simulator role counts them."""
-        return chunks_per_phase(self.steps_per_update, self.num_envs, self.chunk, depth, self.episode_limit)
+    def schedule(self, cand: Candidate) -> Schedule:
+        """The runtime's schedule of `cand` on this workload: the decisions the simulation shares with the roles."""
+        batching = BatchingConfig(cand.max_batch, cand.max_wait_ms)
+        rollout = RolloutConfig(
+            mode=cand.mode,
+            pipeline_depth=cand.depth,
+            max_staleness=self.max_staleness,
+            stale_policy=self.stale_policy,
+            batching=batching,
+        )
+        return Schedule.of(rollout, self.steps_per_update, self.group_size)
+
+    def chunks_per_phase(self, cand: Candidate) -> int:
+        """The decisions of one lock-step phase of `cand`, as the simulator role counts them."""
+        return self.schedule(cand).phase_chunks(self.num_envs, self.chunk, self.episode_limit)
 
 
 @dataclass
@@ -128,7 +128,10 @@ def cpu_pools(cand: Candidate, work: Workload, host_cores: Optional[float]) -> L
     cores = dict(zip(ROLES, (cand.sim * work.cpus[0], cand.gen * work.cpus[1], cand.train * work.cpus[2])))
     if cand.layout == "collocated":
         return [(ROLES, max(cores.values()))]
-    pools = [(("simulator",), cores["simulator"]), (("generator",), cores["generator"])]
+    pools: List[Tuple[Tuple[str, ...], float]] = [
+        (("simulator",), cores["simulator"]),
+        (("generator",), cores["generator"]),
+    ]
     if cand.layout == "hybrid":
         return pools + [(ROLES, max(cores["simulator"] + cores["generator"], cores["trainer"]))]
     return pools + [(("trainer",), cores["trainer"])]
@@ -141,11 +144,22 @@ def cpu_bound(demand: Dict[str, float], pools: List[Tuple[Tuple[str, ...], float
 
 
 class _Env:
-    __slots__ = ("gid", "rank", "prof", "t", "ep_len", "seg_v", "seg_rows", "seg_steps")
+    __slots__ = ("gid", "rank", "prof", "t", "ep_len", "seg_v", "seg_rows", "seg_steps", "episode", "seg_index")
 
     def __init__(self, gid: int, rank: int, prof: int, ep_len: int) -> None:
         self.gid, self.rank, self.prof, self.t, self.ep_len = gid, rank, prof, 0, ep_len
         self.seg_v, self.seg_rows, self.seg_steps = -1, 0, 0
+        self.episode, self.seg_index = 0, 0
+
+
+class _Seg:
+    """A shipped segment, as the schedule reads it (`schedule.SegmentFacts`)."""
+
+    __slots__ = ("env_id", "episode", "index", "version", "steps", "slots", "episode_done")
+
+    def __init__(self, e: _Env, slots: int, done: bool) -> None:
+        self.env_id, self.episode, self.index, self.version = e.gid, e.episode, e.seg_index, e.seg_v
+        self.steps, self.slots, self.episode_done = e.seg_steps, slots, done
 
 
 @dataclass
@@ -169,8 +183,9 @@ class _Gen:
     wake_at: float = -1.0
     idle_since: float = 0.0  # since when it sleeps in its poll (a request or timer wakes it: Costs.wake_after_s)
     busy_s: float = 0.0
-    served: int = 0
+    served: int = 0  # slots (env steps in whole chunks), as the hold budget counts them
     consumed: int = 0
+    waiting: int = 0  # the trainer's credit for slots it holds but cannot use yet (whole groups)
 
 
 @dataclass
@@ -184,6 +199,7 @@ class _Rank:
     phase: int = 0
     outstanding: List[int] = field(default_factory=list)
     main_free: float = 0.0  # when the rank's main thread is done with its bookkeeping
+    waiting: set = field(default_factory=set)  # finished instances waiting for their group (whole groups)
 
 
 class Pipeline:
@@ -195,28 +211,31 @@ class Pipeline:
         self.now = 0.0
         self._heap: list = []
         self._seq = 0
-        self.lockstep = cand.mode != "async"
-        self.depth = cand.depth if cand.mode == "pipelined" else 1
-        self.per_phase = work.chunks_per_phase(self.depth)
-        per = work.num_envs // cand.sim
+        self.sched = work.schedule(cand)
+        self.lockstep = self.sched.lockstep
+        self.per_phase = work.chunks_per_phase(cand)
+        self.per = per = work.num_envs // cand.sim
         prof = costs.instance_map(per)
         self.ranks: List[_Rank] = []
         for r in range(cand.sim):
             envs = [_Env(r * per + j, r, int(prof[j]), self._episode_len()) for j in range(per)]
-            groups = [[envs[i] for i in g] for g in np.array_split(np.arange(per), self.depth) if len(g)]
+            groups = [[envs[i] for i in g] for g in self.sched.sub_groups(per)]
             # The simulator steps in worker threads where the env allows it: one per sub-group in lock-step
             # modes (sub-groups side by side), one per instance in async; else inline, one at a time.
-            workers = (len(groups) if self.lockstep else per) if costs.thread_safe else 1
+            workers = self.sched.step_threads(per, costs.thread_safe) or 1
             self.ranks.append(_Rank(envs, groups, workers, outstanding=[0] * cand.gen))
         self.gens = [_Gen() for _ in range(cand.gen)]
+        self.clients = [self.sched.clients(i, cand.sim, cand.gen) for i in range(cand.gen)]
         self.device_free: Dict[int, float] = {}
         self.last_step_end: Dict[tuple, float] = {}  # per simulator thread: when its last chunk ended
         # trainer state
         self.version = 0
-        self.buffer: Deque = deque()
+        self.buffer: Deque[_Seg] = deque()
         self.buffered = 0
         self.received = 0
         self.consumed = 0
+        self.consumed_slots = 0  # what the generators' hold budget compares with their served slots
+        self.credit = 0  # the slots last credited to that budget as waiting (whole groups)
         self.dropped_steps = 0
         self.phase_ends: Dict[int, int] = {}
         self.train_busy = False
@@ -262,7 +281,7 @@ class Pipeline:
         rank = self.ranks[r]
         if self.lockstep:
             rank.remaining = {g: self.per_phase for g in range(len(rank.groups))}
-            after = self.phase_reset(rank) if self.depth == 1 else 0.0
+            after = self.phase_reset(rank) if self.sched.resets_each_phase else 0.0
             for g, envs in enumerate(rank.groups):
                 self.request(r, envs, g, rank.phase, after)
         else:
@@ -273,12 +292,12 @@ class Pipeline:
         """A sync phase starts every instance from reset, in one call; returns how long that takes."""
         for e in rank.envs:
             e.t, e.ep_len = 0, self._episode_len()
+            e.episode, e.seg_index = e.episode + 1, 0
         return self.k.reset_s * (len(rank.envs) if self.k.step_rule == "sum" else 1)
 
     def request(self, r: int, envs: List[_Env], group: int, min_version: int, after: float = 0.0) -> None:
         rank = self.ranks[r]
-        out = rank.outstanding
-        gen = r % len(self.gens) if self.lockstep else min(range(len(out)), key=out.__getitem__)
+        gen = self.sched.route(r, rank.outstanding)
         rank.outstanding[gen] += 1
         self.at(self.now + after + self.k.hop_s, self.arrive, _Req(r, envs, group, min_version, gen=gen))
 
@@ -335,7 +354,7 @@ class Pipeline:
         if len(envs) == 1 and self.k.step_rule != "batch":  # fast path: one instance, its own draws
             e = envs[0]
             steps = min(self.w.chunk, e.ep_len - e.t)
-            ids = (e.prof,)
+            ids = cast(np.ndarray, (e.prof,))  # group_step reads one instance's id as ids[0]: no numpy call
             total = sum(self.k.group_step(self.rng, ids) for _ in range(steps))
             return total + (self.k.reset_s if e.t + steps >= e.ep_len else 0.0)
         total, active = 0.0, list(envs)
@@ -361,8 +380,7 @@ class Pipeline:
             return
         rank.running -= 1
         req.booked = False
-        for e in req.envs:
-            self.record(e, version)
+        ended = [self.record(e, version) for e in req.envs]
         if self.lockstep:
             rank.remaining[req.group] -= 1
             if rank.remaining[req.group]:
@@ -371,12 +389,19 @@ class Pipeline:
                 for e in rank.envs:
                     self.cut(e)
                 self.at(self.now + self.k.hop_s, self.phase_end, rank.phase)
+        elif ended[0] and self.sched.whole_groups:  # it waits for its group; the group's last starts them all
+            rank.waiting.add(req.envs[0].gid - req.rank * self.per)
+            released = self.sched.released(rank.waiting)
+            rank.waiting.difference_update(released)
+            for i in released:
+                self.request(req.rank, [rank.envs[i]], req.group, 0)
         else:
             self.request(req.rank, req.envs, req.group, 0)
         self.run_jobs(req.rank)
 
-    def record(self, e: _Env, version: int) -> None:
-        """The segment bookkeeping of EnvTrack.record: one behaviour version per segment, capped length."""
+    def record(self, e: _Env, version: int) -> bool:
+        """The segment bookkeeping of EnvTrack.record: one behaviour version per segment, capped length.
+        Whether the episode ended."""
         if e.seg_rows and version != e.seg_v:
             self.cut(e)
         if not e.seg_rows:
@@ -386,15 +411,19 @@ class Pipeline:
         e.seg_steps += steps
         e.t += steps
         if e.t >= e.ep_len:
-            self.cut(e)
+            self.cut(e, done=True)
             e.t, e.ep_len = 0, self._episode_len()
-        elif e.seg_rows >= MAX_SEGMENT_STEPS:
+            e.episode, e.seg_index = e.episode + 1, 0
+            return True
+        if e.seg_rows >= MAX_SEGMENT_STEPS:
             self.cut(e)
+        return False
 
-    def cut(self, e: _Env) -> None:
+    def cut(self, e: _Env, done: bool = False) -> None:
         if e.seg_rows:
-            self.at(self.now + self.k.hop_s, self.segment, e.seg_steps, e.seg_v)
+            self.at(self.now + self.k.hop_s, self.segment, _Seg(e, e.seg_rows * self.w.chunk, done))
             e.seg_rows, e.seg_steps = 0, 0
+            e.seg_index += 1
 
     # ------------------------------------------------------------------ generator
     def arrive(self, req: _Req) -> None:
@@ -426,10 +455,7 @@ class Pipeline:
         self._free(index)  # awake at once: back to sleep (from now) unless it serves
 
     def held(self, g: _Gen) -> bool:
-        w = self.w
-        if self.lockstep or w.stale_policy != "hold":
-            return False
-        return g.served >= (g.consumed + (w.max_staleness + 1) * w.steps_per_update) / len(self.gens)
+        return self.sched.holds(g.served, g.consumed, g.waiting, len(self.gens))
 
     def serve(self, index: int) -> None:
         g = self.gens[index]
@@ -440,32 +466,29 @@ class Pipeline:
                 q.arrival = self.now  # received (a holding generator still takes in its requests)
         if self.held(g):
             return
-        servable = g.queue if not self.lockstep else [q for q in g.queue if q.min_version <= g.version]
+        servable = [q for q in g.queue if self.sched.servable(q.min_version, g.version)]
         if not servable:
             return
-        items = sum(len(q.envs) for q in servable)
-        due = servable[0].arrival + self.c.max_wait_ms / 1000.0
-        if items < self.c.max_batch and self.now < due - 1e-12:
+        sizes = [len(q.envs) for q in servable]
+        clients = self.clients[index]
+        senders = len({q.rank for q in servable}) if clients else 0
+        if not self.sched.batch_ready(sizes, senders, clients, self.now - servable[0].arrival):
+            due = servable[0].arrival + self.sched.max_wait_s
             if g.wake_at != due:
                 g.wake_at = due
                 self.at(due, self._timer, index, due)
             return
-        batch, n = [], 0
-        for q in servable:
-            if batch and n + len(q.envs) > self.c.max_batch:
-                break
-            batch.append(q)
-            n += len(q.envs)
-        if servable is g.queue:
-            del g.queue[:len(batch)]
+        count = self.sched.batch_size(sizes)
+        batch, n = servable[:count], sum(sizes[:count])
+        if len(servable) == len(g.queue):
+            del g.queue[: len(batch)]
         else:
             for q in batch:
                 g.queue.remove(q)
         g.busy, g.wake_at = True, -1.0  # a timer set for this batch is void
         duration = self.k.forward_s(n) + self.k.request_s * len(batch) + self.k.batch_s
         if self.k.cpu:
-            self.cpu_s["generator"] += (self.k.cpu.forward_s(n) + self.k.cpu.serve_s * len(batch)
-                                          + self.k.cpu.wake_s)
+            self.cpu_s["generator"] += self.k.cpu.forward_s(n) + self.k.cpu.serve_s * len(batch) + self.k.cpu.wake_s
         g.busy_s += duration
         g.served += n * self.w.chunk
         self.at(self._on_device(index, duration), self.served, index, batch, g.version)
@@ -505,39 +528,59 @@ class Pipeline:
         self._after_work(index)  # newer weights may have been announced meanwhile
 
     # ------------------------------------------------------------------ trainer
-    def segment(self, steps: int, version: int) -> None:
+    def segment(self, seg: _Seg) -> None:
         if self.k.cpu:
             self.cpu_s["trainer"] += self.k.cpu.segment_s
-        self.buffer.append((steps, version))
-        self.buffered += steps
-        self.received += steps
+        self.buffer.append(seg)
+        self.buffered += seg.steps
+        self.received += seg.steps
         self.update()
+        self._recredit()
 
     def phase_end(self, version: int) -> None:
         self.phase_ends[version] = self.phase_ends.get(version, 0) + 1
         self.update()
 
+    def _ready(self) -> bool:
+        return self.sched.update_ready(
+            self.buffer, self.buffered, self.phase_ends.get(self.version, 0), len(self.ranks)
+        )
+
+    def _waiting_slots(self) -> int:
+        """Whole groups: the buffered slots no batch can use yet, credited to the hold budget while the
+        trainer waits (as the trainer role's `Collector.waiting_slots`)."""
+        if not self.sched.whole_groups or self._ready():
+            return 0
+        return sum(seg.slots for seg in self.buffer)
+
+    def _recredit(self) -> None:
+        """Whole groups: a trainer waiting for the rest of its groups tells the generators when its credit changed."""
+        if self.sched.whole_groups and not self.train_busy and self._waiting_slots() != self.credit:
+            self._announce()
+
+    def _announce(self) -> None:
+        """The trainer's credit to every generator's hold budget (its `ctl` message)."""
+        self.credit = self._waiting_slots()
+        for i in range(len(self.gens)):
+            self.at(self.now + self.k.hop_s, self._consumed, i, self.consumed_slots, self.credit)
+
     def update(self) -> None:
-        if self.train_busy:
-            return
-        if self.lockstep and self.phase_ends.get(self.version, 0) < len(self.ranks):
-            return
-        if not self.lockstep and self.buffered < self.w.steps_per_update:
+        if self.train_busy or not self._ready():
             return
         used = 0
-        while self.buffer and (self.lockstep or used < self.w.steps_per_update):
-            steps, version = self.buffer.popleft()
-            self.buffered -= steps
-            self.consumed += steps
-            lag = self.version - version
-            if lag > self.w.max_staleness:
-                self.dropped_steps += steps
+        take = self.sched.take(self.buffer, self.version)
+        for seg in take.consumed:
+            self.buffered -= seg.steps
+            self.consumed += seg.steps
+            self.consumed_slots += seg.slots
+            if self.sched.stale(self.version, seg.version):
+                self.dropped_steps += seg.steps
             else:
-                used += steps
-                self.lags.append(lag)
+                used += seg.steps
+                self.lags.append(self.version - seg.version)
+        self.buffer = deque(take.rest)
         self.phase_ends.pop(self.version, None)
-        for i, g in enumerate(self.gens):
-            self.at(self.now + self.k.hop_s, self._consumed, i, self.consumed)
+        self._announce()
         if not used:
             return
         swap = self.k.swap_s if self.c.layout == "collocated" else 0.0
@@ -548,9 +591,10 @@ class Pipeline:
         self.train_busy_s += duration + self.k.publish_s
         self.at(self.now + duration, self.trained)
 
-    def _consumed(self, index: int, consumed: int) -> None:
+    def _consumed(self, index: int, consumed: int, waiting: int = 0) -> None:
         g = self.gens[index]
         g.consumed = max(g.consumed, consumed)
+        g.waiting = waiting  # the latest: it may go down
         if not g.busy:
             self._free(index)
 
@@ -568,6 +612,7 @@ class Pipeline:
                 rank.phase = self.version
                 self.at(self.now + self.k.hop_s, self.start, r)
         self.update()
+        self._recredit()
 
     # ------------------------------------------------------------------ result
     def _prediction(self) -> Prediction:
@@ -586,14 +631,28 @@ class Pipeline:
         wall = max(self.now, 1e-9) * stretch
         dropped = dropped_steps / consumed if consumed > 0 else 0.0
         lags = np.asarray(self.lags or [0])
-        util = {"simulator": self.env_busy_s / (self.w.num_envs * wall),
-                "generator": sum(g.busy_s for g in self.gens) / (len(self.gens) * wall),
-                "trainer": self.train_busy_s / wall}
-        return Prediction(sps, sps * (1 - dropped), {k: min(1.0, v) for k, v in util.items()},
-                          {"mean": float(lags.mean()), "p50": float(np.percentile(lags, 50)),
-                           "p99": float(np.percentile(lags, 99)), "max": float(lags.max())},
-                          dropped, len(reps), wall, {r: d * sps for r, d in demand.items()}, bound,
-                          self._spread(reps[max(0, len(reps) // 4):]))
+        util = {
+            "simulator": self.env_busy_s / (self.w.num_envs * wall),
+            "generator": sum(g.busy_s for g in self.gens) / (len(self.gens) * wall),
+            "trainer": self.train_busy_s / wall,
+        }
+        return Prediction(
+            sps,
+            sps * (1 - dropped),
+            {k: min(1.0, v) for k, v in util.items()},
+            {
+                "mean": float(lags.mean()),
+                "p50": float(np.percentile(lags, 50)),
+                "p99": float(np.percentile(lags, 99)),
+                "max": float(lags.max()),
+            },
+            dropped,
+            len(reps),
+            wall,
+            {r: d * sps for r, d in demand.items()},
+            bound,
+            self._spread(reps[max(0, len(reps) // 4) :]),
+        )
 
     @staticmethod
     def _spread(reps: List[tuple], most: int = 8) -> float:

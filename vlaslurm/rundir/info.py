@@ -1,12 +1,5 @@
-"""Run directories and the run index.
+"""Run directories and the run index: creating a run directory, `run.json`, and finding runs again."""
 
-    <runs-root>/<name>/<YYYYmmdd-HHMMSS>[-<jobid>]/
-        run.json        what was launched: name, kind (local|slurm), job id, spec, ranks
-        spec.yaml       the resolved spec          job.sbatch   the rendered script (Slurm)
-        secret          per-run message key (0600) logs/<role>/<rank>.log
-        exit_record.jsonl  one line per step and one for the job (Slurm forgets finished jobs)
-    <runs-root>/index.jsonl   one line per run, so RUN can be a directory, a name or a job id
-"""
 from __future__ import annotations
 
 import json
@@ -16,10 +9,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from vlaslurm.runtime.rendezvous import write_atomic
-
-RUN_INFO = "run.json"
-INDEX = "index.jsonl"
+from vlaslurm.rundir.files import append_line, write_atomic
+from vlaslurm.rundir.layout import RUN_INFO, RunDir, index_path
+from vlaslurm.rundir.secret import create_secret
 
 
 class RunNotFound(LookupError):
@@ -66,6 +58,21 @@ def claim_run_dir(path: Path) -> Path:
     return path
 
 
+def create_run(
+    directory: Path, spec_yaml: str, job_script: Optional[str] = None, site_profile: Optional[bytes] = None
+) -> None:
+    """Fill a fresh run directory before any rank starts: logs/, the resolved spec, the per-run secret,
+    and for Slurm the rendered script and the site profile it was submitted with."""
+    paths = RunDir(directory)
+    paths.logs.mkdir(exist_ok=True)
+    write_atomic(paths.spec, spec_yaml.encode())
+    if job_script is not None:
+        write_atomic(paths.job_script, job_script.encode(), mode=0o700)
+    if site_profile is not None:
+        write_atomic(paths.site_copy, site_profile)
+    create_secret(directory)
+
+
 def write_info(info: RunInfo) -> None:
     """Write `run.json` atomically."""
     write_atomic(Path(info.run_dir) / RUN_INFO, json.dumps(asdict(info), indent=2).encode())
@@ -79,19 +86,23 @@ def read_info(run_dir: Path) -> RunInfo:
 
 def append_index(runs_root: Path, info: RunInfo) -> None:
     """Record a run in the index (one JSON line, appended with O_APPEND so writers never interleave)."""
-    line = json.dumps({"name": info.name, "run_dir": str(Path(info.run_dir).resolve()), "job_id": info.job_id,
-                       "kind": info.kind, "created": info.created, "sweep": info.sweep}) + "\n"
+    line = json.dumps(
+        {
+            "name": info.name,
+            "run_dir": str(Path(info.run_dir).resolve()),
+            "job_id": info.job_id,
+            "kind": info.kind,
+            "created": info.created,
+            "sweep": info.sweep,
+        }
+    )
     Path(runs_root).mkdir(parents=True, exist_ok=True)
-    fd = os.open(Path(runs_root) / INDEX, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
+    append_line(index_path(runs_root), line, mode=0o600)
 
 
 def list_runs(runs_root: Path) -> List[RunInfo]:
     """Runs of the index whose directory still exists, oldest first (the newest record of each wins)."""
-    index = Path(runs_root) / INDEX
+    index = index_path(runs_root)
     if not index.exists():
         return []
     by_dir: Dict[str, dict] = {}

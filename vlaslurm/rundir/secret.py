@@ -1,16 +1,11 @@
 """The per-run secret that keys every message's HMAC.
 
-`create_secret(run_dir)` is called once, by whoever creates the run directory
-(the launcher, before any rank starts). It writes 32 random bytes as hex into
-``<run_dir>/secret``. The file is born 0600 (``os.open(O_CREAT|O_EXCL, 0o600)``
-on a private temporary name) and published with ``os.link``, which fails if a
-secret already exists: no reader ever sees a half-written or world-readable
-secret, and two creators cannot overwrite each other.
-
-Ranks call `load_secret(run_dir)`, which refuses a file that group or others
-could read. `derive_key(secret, label)` gives each other use of the secret
-(e.g. the distributed store's seal) its own key, so no two uses share one.
+`create_secret(run_dir)` writes it once, born 0600 and published with ``os.link`` (no reader sees
+a partial or readable secret; two creators cannot overwrite each other); `load_secret(run_dir)`
+refuses a file that group or others could read; `derive_key(secret, label)` gives every other use
+its own key. Details: docs/runtime.md
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -1,24 +1,17 @@
 """Trainer checkpoints: save atomically, keep the last few, resume from the newest.
 
-    <run>/checkpoints/v00000012/      the state after 12 updates: the weights that are policy version 12
-        model.safetensors             parameters and buffers (no pickle)
-        optim.pt                      optimizer state (torch.save; loaded with weights_only=True)
-        rng.safetensors               torch CPU (and CUDA) generator states
-        state.json                    version, env-step and ledger counters, Python and NumPy RNG states
-        ledger.parquet                the ledger rows written so far
-
-A checkpoint is written into a hidden temporary folder and renamed into place, so a
-folder named ``v<8 digits>`` is always complete; a crash leaves at most a
-``.tmp-*`` folder, which the next save removes. Nothing here is unpickled
-beyond what ``torch.load(weights_only=True)`` allows (tensors and plain containers).
+``<run>/checkpoints/v<8 digits>/`` holds the weights that are that policy version, the optimizer
+and RNG states, counters and the ledger so far; it is written in a temporary folder and renamed,
+so such a folder is always complete. Nothing is unpickled beyond ``torch.load(weights_only=True)``.
+Details (the folder's files): docs/runtime.md
 """
+
 from __future__ import annotations
 
 import io
 import json
 import os
 import random
-import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,12 +22,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vlaslurm.log import get_logger
-from vlaslurm.runtime.rendezvous import fsync_quietly
+from vlaslurm.rundir import RunDir, fsync_quietly, layout
 
 log = get_logger("vlaslurm.checkpoint")
 
-CHECKPOINTS = "checkpoints"
-_NAME = re.compile(r"^v(\d{8,})$")
+_NAME = layout.CHECKPOINT_NAME
 
 
 @dataclass
@@ -52,7 +44,7 @@ class TrainerState:
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / CHECKPOINTS
+    return RunDir(run_dir).checkpoints
 
 
 def list_checkpoints(run_dir: Path) -> List[Path]:
@@ -60,8 +52,14 @@ def list_checkpoints(run_dir: Path) -> List[Path]:
     directory = checkpoints_dir(run_dir)
     if not directory.is_dir():
         return []
-    found = [p for p in directory.iterdir() if _NAME.match(p.name) and (p / "state.json").exists()]
-    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+    found = [p for p in directory.iterdir() if _NAME.match(p.name) and (p / layout.CKPT_STATE).exists()]
+    return sorted(found, key=_version_of)
+
+
+def _version_of(path: Path) -> int:
+    match = _NAME.match(path.name)
+    assert match is not None  # list_checkpoints keeps only the names that match
+    return int(match.group(1))
 
 
 def latest(run_dir: Path) -> Optional[Path]:
@@ -89,26 +87,34 @@ def _rng_tensors() -> Dict[str, torch.Tensor]:
 
 
 def _numpy_state() -> list:
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = np.random.get_state()
+    assert isinstance(state, tuple)  # the global RandomState is MT19937, whose legacy state is a tuple
+    name, keys, pos, has_gauss, cached = state
     return [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
 
 
-def save(run_dir: Path, state: TrainerState, policy: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
-         ledger_rows: List[dict], keep: int) -> Path:
+def save(
+    run_dir: Path,
+    state: TrainerState,
+    policy: torch.nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    ledger_rows: List[dict],
+    keep: int,
+) -> Path:
     """Write checkpoint `v<state.version>` atomically and prune all but the newest `keep`."""
     directory = checkpoints_dir(run_dir)
     directory.mkdir(mode=0o700, exist_ok=True)
     for stale in directory.glob(".tmp-*"):  # a save that died half way
         shutil.rmtree(stale, ignore_errors=True)
-    final = directory / f"v{state.version:08d}"
+    final = RunDir(run_dir).checkpoint(state.version)
     tmp = directory / f".tmp-{final.name}-{os.getpid()}"
     tmp.mkdir(mode=0o700)
     state.python_rng = _jsonable(random.getstate())
     state.numpy_rng = _numpy_state()
-    save_file(_state_dict(policy), str(tmp / "model.safetensors"))
-    save_file({k: v.contiguous() for k, v in _rng_tensors().items()}, str(tmp / "rng.safetensors"))
+    save_file(_state_dict(policy), str(tmp / layout.CKPT_MODEL))
+    save_file({k: v.contiguous() for k, v in _rng_tensors().items()}, str(tmp / layout.CKPT_RNG))
     if optimizer is not None:
-        torch.save(optimizer.state_dict(), tmp / "optim.pt")
+        torch.save(optimizer.state_dict(), tmp / layout.CKPT_OPTIM)
     if ledger_rows:
         import pandas as pd
 
@@ -116,8 +122,8 @@ def save(run_dir: Path, state: TrainerState, policy: torch.nn.Module, optimizer:
 
         buffer = io.BytesIO()
         pd.DataFrame(ledger_rows, columns=COLUMNS).to_parquet(buffer, index=False)
-        (tmp / "ledger.parquet").write_bytes(buffer.getvalue())
-    (tmp / "state.json").write_text(json.dumps(asdict(state)))  # last: its presence marks a complete folder
+        (tmp / layout.CKPT_LEDGER).write_bytes(buffer.getvalue())
+    (tmp / layout.CKPT_STATE).write_text(json.dumps(asdict(state)))  # last: its presence marks a complete folder
     for path in tmp.iterdir():
         fsync_quietly(path)
     if final.exists():  # the same version saved again (a signal right after a periodic save)
@@ -130,15 +136,16 @@ def save(run_dir: Path, state: TrainerState, policy: torch.nn.Module, optimizer:
     return final
 
 
-def load(path: Path, policy: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
-         device: torch.device) -> TrainerState:
+def load(
+    path: Path, policy: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], device: torch.device
+) -> TrainerState:
     """Restore parameters, optimizer and RNG states from `path`; return the trainer's counters."""
-    state = TrainerState(**json.loads((path / "state.json").read_text()))
-    weights = load_file(str(path / "model.safetensors"), device=str(device))
+    state = TrainerState(**json.loads((path / layout.CKPT_STATE).read_text()))
+    weights = load_file(str(path / layout.CKPT_MODEL), device=str(device))
     policy.load_state_dict(weights)
-    if optimizer is not None and (path / "optim.pt").exists():
-        optimizer.load_state_dict(torch.load(path / "optim.pt", map_location=device, weights_only=True))
-    rng = load_file(str(path / "rng.safetensors"))
+    if optimizer is not None and (path / layout.CKPT_OPTIM).exists():
+        optimizer.load_state_dict(torch.load(path / layout.CKPT_OPTIM, map_location=device, weights_only=True))
+    rng = load_file(str(path / layout.CKPT_RNG))
     torch.set_rng_state(rng["torch_cpu"])
     cuda = [rng[k] for k in sorted(rng) if k.startswith("torch_cuda_")]
     if cuda and torch.cuda.is_available():
@@ -148,14 +155,13 @@ def load(path: Path, policy: torch.nn.Module, optimizer: Optional[torch.optim.Op
     if state.numpy_rng is not None:
         name, keys, pos, has_gauss, cached = state.numpy_rng
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    log.info("resumed from checkpoint %s (policy version %d, %d env steps)", path, state.version,
-             state.received_steps)
+    log.info("resumed from checkpoint %s (policy version %d, %d env steps)", path, state.version, state.received_steps)
     return state
 
 
 def ledger_rows(path: Path) -> List[dict]:
     """The ledger rows saved with a checkpoint."""
-    file = path / "ledger.parquet"
+    file = path / layout.CKPT_LEDGER
     if not file.exists():
         return []
     import pandas as pd
@@ -184,4 +190,3 @@ def _jsonable(value: Any) -> Any:
 
 def _tuples(value: Any) -> Any:
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
-

@@ -1,47 +1,12 @@
 """One torch.distributed world over every rank of every role.
 
-Global ranks are role-major (trainer, generator, simulator; see
-`rendezvous.global_rank`). The TCPStore lives in global rank 0 (trainer[0]).
-Order of operations, so nobody waits for a port that is not published yet::
-
-    # every rank
-    store = host_store(address, deadlines.first_s) if global_rank(role, rank, expected) == 0 else None
-    ports = {**my_ports, **store_ports(store)}
-    rdzv.join(Member(..., ports=ports))          # rank 0 publishes ports["store"]
-    members = rdzv.wait(deadlines.first_s)
-    world = init_world(members, (role, rank), world_backend(use_cuda), deadlines.first_s, store=store)
-    ...                                          # after the first step:
-    set_running_timeout(deadlines.running_s)
-
-Backends: every rank runs gloo for CPU tensors under the same store prefix,
-so `world_barrier` and CPU collectives work across all roles, including
-ranks that also run NCCL (``cpu:gloo,cuda:nccl``). Issue CUDA collectives only
-on subgroups whose members all have NCCL (`new_subgroup(..., backend="nccl")`).
-
-Locking the store down. A TCPStore has no authentication, and (torch 2.13)
-any client that reaches its port can `list_keys()`, read and overwrite every
-key (gloo's listener addresses, NCCL unique ids, the weight-sync handshake).
-So:
-
-- `host_store` binds the listening socket itself, to the rank's own address
-  (IPv4 or IPv6), and hands it to the TCPStore (``master_listen_fd``); torch
-  alone would listen on every interface (``[::]``).
-- `init_world` gives c10d and vlaslurm a `SealedStore` under a prefix derived
-  from the run secret (`store_prefix`): every value is AES-GCM encrypted and
-  authenticated with a key derived from the secret, bound to its key name. A
-  client without the secret can list the key names (the prefix and c10d's own
-  names) but reads only ciphertext; a value it
-  writes or moves fails authentication and stops the reading rank with a
-  `StoreTampered` error naming the key, instead of being used.
-- gloo listens on the interface that holds the rank's address
-  (``GLOO_SOCKET_IFNAME``, unless the user set it).
-
-What it does not protect: anyone who reaches the port can still flood the
-store, delete keys or replay an old value of the same key, so the job can be
-made to fail (it fails with a message, never with forged data); samples and
-weights never travel through the store (they go over the signed ZeroMQ
-sockets, or NCCL/gloo between the ranks).
+Global ranks are role-major (trainer, generator, simulator); the TCPStore lives in global rank 0
+(trainer[0]) and is published through the rendezvous. Every rank runs gloo for CPU tensors, NCCL
+only on subgroups that all have it. The store binds the rank's own address and every value is
+sealed (AES-GCM, keyed by the run secret), so a client without the secret can only make the job fail.
+Details (order of operations, what the seal does not protect): docs/runtime.md
 """
+
 from __future__ import annotations
 
 import logging
@@ -50,16 +15,16 @@ import socket
 from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Mapping, Sequence
+from typing import Mapping, Sequence, cast
 
 import torch
 import torch.distributed as dist
 from cryptography.exceptions import InvalidTag  # installed with mlflow; AES-GCM is not in the stdlib
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from vlaslurm.rundir.secret import derive_key
 from vlaslurm.runtime.netaddr import interface_of
 from vlaslurm.runtime.rendezvous import ROLE_ORDER, Key, Member, global_rank, role_rank
-from vlaslurm.runtime.secret import derive_key
 
 log = logging.getLogger("vlaslurm.dist")
 
@@ -121,9 +86,15 @@ def host_store(address: str, timeout_s: float) -> dist.TCPStore:
     for use_libuv in (True, False):  # libuv is torch's default server; the other one also takes a socket
         listener = _listen(address)
         try:
-            return dist.TCPStore(address, listener.getsockname()[1], is_master=True, wait_for_workers=False,
-                                 timeout=timedelta(seconds=timeout_s), use_libuv=use_libuv,
-                                 master_listen_fd=listener.detach())  # the store owns (and closes) the fd
+            return dist.TCPStore(
+                address,
+                listener.getsockname()[1],
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=timeout_s),
+                use_libuv=use_libuv,
+                master_listen_fd=listener.detach(),
+            )  # the store owns (and closes) the fd
         except RuntimeError as err:
             log.warning("TCPStore(use_libuv=%s) on %s failed: %s", use_libuv, address, err)
             last = err
@@ -168,8 +139,9 @@ def _connect_store(members: Mapping[Key, Member], expected: Mapping[str, int], t
         )
     port = master.ports[STORE_PORT]
     try:
-        return dist.TCPStore(master.address, port, is_master=False, wait_for_workers=False,
-                             timeout=timedelta(seconds=timeout_s))
+        return dist.TCPStore(
+            master.address, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+        )
     except (RuntimeError, TimeoutError) as err:
         raise WorldError(
             f"cannot reach the TCPStore of {master.role}[{master.rank}]@{master.host} "
@@ -177,9 +149,16 @@ def _connect_store(members: Mapping[Key, Member], expected: Mapping[str, int], t
         ) from err
 
 
-def init_world(members: Mapping[Key, Member], me: Member | Key, backend: str, timeout_s: float,
-               store: dist.TCPStore | None = None, device_id: torch.device | None = None, *,
-               secret: bytes) -> World:
+def init_world(
+    members: Mapping[Key, Member],
+    me: Member | Key,
+    backend: str,
+    timeout_s: float,
+    store: dist.TCPStore | None = None,
+    device_id: torch.device | None = None,
+    *,
+    secret: bytes,
+) -> World:
     """Initialise the default process group over all `members` (the result of Rendezvous.wait).
 
     `store` is the TCPStore from `host_store` on global rank 0 and must be None elsewhere;
@@ -197,11 +176,13 @@ def init_world(members: Mapping[Key, Member], me: Member | Key, backend: str, ti
     _LIVE_STORES.append(sealed)  # c10d keeps only the C++ half of a Python store: keep the Python half alive
     _pin_gloo(members[(role, local)].address)
     size = sum(expected.values())
-    dist.init_process_group(backend, store=sealed, rank=rank, world_size=size,
-                            timeout=timedelta(seconds=timeout_s), device_id=device_id)
+    dist.init_process_group(
+        backend, store=sealed, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s), device_id=device_id
+    )
     log.info("%s[%d]: joined world as rank %d/%d (%s)", role, local, rank, size, backend)
-    return World(role=role, role_rank=local, rank=rank, world_size=size, backend=backend,
-                 expected=expected, store=sealed)
+    return World(
+        role=role, role_rank=local, rank=rank, world_size=size, backend=backend, expected=expected, store=sealed
+    )
 
 
 def _pin_gloo(address: str) -> None:
@@ -223,7 +204,7 @@ def store_prefix(secret: bytes) -> str:
     return derive_key(secret, STORE_LABEL + "/prefix").hex()
 
 
-def job_store(raw: dist.Store, secret: bytes) -> "SealedStore":
+def job_store(raw: dist.Store, secret: bytes) -> SealedStore:
     """`raw` (the TCPStore) as the job sees it: keys under `store_prefix`, values sealed."""
     return SealedStore(dist.PrefixStore(store_prefix(secret), raw), derive_key(secret, STORE_LABEL + "/seal"))
 
@@ -252,8 +233,9 @@ class SealedStore(dist.Store):
                 "wrote to the job's store; the job cannot trust it (its port is reachable from this network)"
             ) from err
 
+    # c10d's Store methods take bytes as well as str; torch's stubs say str only, hence the casts below.
     def set(self, key: str, value: bytes | str) -> None:
-        self._inner.set(key, self._seal(key, value))
+        self._inner.set(key, cast(str, self._seal(key, value)))
 
     def get(self, key: str) -> bytes:
         return self._open(key, self._inner.get(key))
@@ -268,7 +250,7 @@ class SealedStore(dist.Store):
         while True:
             total = (int(self._open(key, raw)) if raw else 0) + amount
             new = self._seal(key, str(total))
-            got = self._inner.compare_set(key, raw, new)
+            got = self._inner.compare_set(key, cast(str, raw), cast(str, new))
             if got == new:
                 return total
             raw = b"" if got == raw else got  # got == raw: the key was deleted meanwhile
@@ -283,7 +265,7 @@ class SealedStore(dist.Store):
             if current is not None and current != expected:
                 return current
             new = self._seal(key, desired)
-            got = self._inner.compare_set(key, raw, new)
+            got = self._inner.compare_set(key, cast(str, raw), cast(str, new))
             if got == new:
                 return self._open(key, new)
             raw = b"" if got == raw else got
@@ -305,14 +287,13 @@ class SealedStore(dist.Store):
         return [self.get(key) for key in keys]
 
     def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
-        self._inner.multi_set(keys, [self._seal(k, v) for k, v in zip(keys, values)])
+        self._inner.multi_set(keys, [self._seal(k, v) for k, v in zip(keys, values)])  # type: ignore[attr-defined]
 
-    def clone(self) -> "SealedStore":
-        return SealedStore(self._inner.clone(), self._key)
+    def clone(self) -> SealedStore:
+        return SealedStore(self._inner.clone(), self._key)  # type: ignore[attr-defined]
 
 
-def new_subgroup(ranks: Sequence[int], backend: str | None = None,
-                 timeout_s: float | None = None) -> dist.ProcessGroup:
+def new_subgroup(ranks: Sequence[int], backend: str | None = None, timeout_s: float | None = None) -> dist.ProcessGroup:
     """A process group over global `ranks`.
 
     Only the members call it (local synchronisation; a non-member gets

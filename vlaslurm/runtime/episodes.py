@@ -6,12 +6,12 @@ differs (so every sample has exactly one behaviour version), or at a length cap
 (long episodes travel in pieces). Partial reset: a finished instance resets
 alone, at once.
 """
+
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 
@@ -23,25 +23,21 @@ EnvObs = Tuple[Optional[np.ndarray], Optional[np.ndarray], str]  # (image [cams,
 
 def split_obs(obs: Observation) -> List[EnvObs]:
     """One (image, state, instruction) per instance."""
-    return [(None if obs.images is None else obs.images[i], None if obs.state is None else obs.state[i],
-             obs.instructions[i]) for i in range(len(obs))]
+    return [
+        (
+            None if obs.images is None else obs.images[i],
+            None if obs.state is None else obs.state[i],
+            obs.instructions[i],
+        )
+        for i in range(len(obs))
+    ]
 
 
 def stack_obs(items: Sequence[EnvObs]) -> Observation:
     """The inverse of `split_obs`."""
-    images = None if items[0][0] is None else np.stack([it[0] for it in items])
-    state = None if items[0][1] is None else np.stack([it[1] for it in items])
+    images = None if items[0][0] is None else np.stack([cast(np.ndarray, it[0]) for it in items])
+    state = None if items[0][1] is None else np.stack([cast(np.ndarray, it[1]) for it in items])
     return Observation(images, state, [it[2] for it in items])
-
-
-def chunks_per_phase(steps_per_update: int, num_envs: int, chunk: int, depth: int, episode_limit: int = 0) -> int:
-    """Decisions (action chunks) each sub-group takes in one lock-step phase: enough for the update's env
-    steps; a sync phase (depth 1) starts every instance from reset, so also enough for an episode of
-    `episode_limit` env steps to end. The simulator role runs phases this long; the placement model too."""
-    chunks = math.ceil(steps_per_update / (num_envs * chunk))
-    if depth == 1:
-        chunks = max(chunks, math.ceil(episode_limit / chunk))
-    return chunks
 
 
 def mix_seed(*parts: int) -> int:
@@ -61,8 +57,13 @@ class ChunkResult:
     last_obs: List[EnvObs]  # after the chunk (the final observation where the episode ended)
 
 
-def run_chunk(env: VecEnv, ids: np.ndarray, actions: np.ndarray, cancel: Optional[threading.Event] = None,
-              on_step: Optional[Callable[[], None]] = None) -> ChunkResult:
+def run_chunk(
+    env: VecEnv,
+    ids: np.ndarray,
+    actions: np.ndarray,
+    cancel: Optional[threading.Event] = None,
+    on_step: Optional[Callable[[], None]] = None,
+) -> ChunkResult:
     """Execute `actions` [n, C, A] open-loop; an instance stops at the end of its episode. Once `cancel` is
     set the chunk ends after the step under way (the mask says which steps ran; at least one always does).
     `on_step` is called as each step starts (the simulator times its steps from it)."""
@@ -80,8 +81,11 @@ def run_chunk(env: VecEnv, ids: np.ndarray, actions: np.ndarray, cancel: Optiona
         rewards[rows, k] = res.reward
         mask[rows, k] = True
         for j, row in enumerate(rows):
-            last[row] = (None if res.obs.images is None else res.obs.images[j],
-                         None if res.obs.state is None else res.obs.state[j], res.obs.instructions[j])
+            last[row] = (
+                None if res.obs.images is None else res.obs.images[j],
+                None if res.obs.state is None else res.obs.state[j],
+                res.obs.instructions[j],
+            )
         terminated[rows] |= res.terminated
         truncated[rows] |= res.truncated & ~res.terminated
         success[rows] |= res.success
@@ -94,8 +98,16 @@ def run_chunk(env: VecEnv, ids: np.ndarray, actions: np.ndarray, cancel: Optiona
 class EnvTrack:
     """One environment instance: its episode, its current observation and its open segment."""
 
-    def __init__(self, gid: int, local: int, task: str, max_len: int, clock: Callable[[], float],
-                 sim_rank: int, incarnation: int = 0) -> None:
+    def __init__(
+        self,
+        gid: int,
+        local: int,
+        task: str,
+        max_len: int,
+        clock: Callable[[], float],
+        sim_rank: int,
+        incarnation: int = 0,
+    ) -> None:
         self.gid, self.local, self.task = gid, local, task
         self.max_len, self.clock, self.sim_rank, self.incarnation = max_len, clock, sim_rank, incarnation
         self.episode = -1
@@ -115,9 +127,19 @@ class EnvTrack:
         self.t_start = self.clock()
         self.rows: List[tuple] = []
 
-    def record(self, version: int, actions: np.ndarray, logprob: np.ndarray, value: float,
-               rewards: np.ndarray, mask: np.ndarray, after: EnvObs, terminated: bool, truncated: bool,
-               success: bool) -> List[Segment]:
+    def record(
+        self,
+        version: int,
+        actions: np.ndarray,
+        logprob: np.ndarray,
+        value: float,
+        rewards: np.ndarray,
+        mask: np.ndarray,
+        after: EnvObs,
+        terminated: bool,
+        truncated: bool,
+        success: bool,
+    ) -> List[Segment]:
         """Append one decision step; return the segments it completed (0, 1 or 2)."""
         done: List[Segment] = []
         if self.rows and version != self.version:
@@ -142,10 +164,16 @@ class EnvTrack:
         return bool(self.rows)
 
     def _finish(self, terminated: bool, truncated: bool, success: bool) -> Segment:
+        assert self.version is not None, "a segment is finished only once it has a step"
         obs = [r[0] for r in self.rows] + [self.obs]
         seg = Segment(
-            traj_id=f"{self.gid}-{self.episode}-{self.seg_index}", env_id=self.gid, episode=self.episode,
-            index=self.seg_index, task=self.task, instruction=obs[0][2], version=int(self.version),
+            traj_id=f"{self.gid}-{self.episode}-{self.seg_index}",
+            env_id=self.gid,
+            episode=self.episode,
+            index=self.seg_index,
+            task=self.task,
+            instruction=obs[0][2],
+            version=int(self.version),
             images=None if obs[0][0] is None else np.stack([o[0] for o in obs]),
             state=None if obs[0][1] is None else np.stack([o[1] for o in obs]).astype(np.float32),
             actions=np.stack([r[1] for r in self.rows]).astype(np.float32),
@@ -155,7 +183,13 @@ class EnvTrack:
             mask=np.stack([r[5] for r in self.rows]),
             step_ids=np.asarray([r[6] for r in self.rows], np.int64),
             versions=np.asarray([r[7] for r in self.rows], np.int64),
-            terminated=terminated, truncated=truncated, success=success,
-            t_start=self.t_start, t_end=self.clock(), sim_rank=self.sim_rank, incarnation=self.incarnation)
+            terminated=terminated,
+            truncated=truncated,
+            success=success,
+            t_start=self.t_start,
+            t_end=self.clock(),
+            sim_rank=self.sim_rank,
+            incarnation=self.incarnation,
+        )
         self._reset_segment(self.seg_index + 1)
         return seg

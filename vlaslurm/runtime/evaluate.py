@@ -1,17 +1,11 @@
 """`vlaslurm eval`: the frozen policy's success per task, with its failed trajectories kept.
 
-Simulators and the policy run without a trainer: this is the baseline to reproduce (e.g. the SFT
-checkpoint in `model.path`) before RL. One episode loop (`run_episodes`) serves both ways to run it:
-- `--local`: one process, the policy acting in-process (`evaluate`);
-- a Slurm job (`build_plan(loaded, kind="eval")`: simulator and generator steps, no trainer), whose
-  ranks start here (`main`): each simulator rank runs the loop over its environments and asks its
-  generator for actions over the run's signed sockets; generators serve `model.path` frozen (the
-  weights never change: version 0) until their simulators are done; simulator rank 0 merges every
-  rank's outcomes into `eval.json`.
-Episode e runs on environment e % n (n = min(env.num_envs, episodes), environments numbered over all
-simulator ranks) from a seed of (rollout.seed, e), so the episodes do not depend on how the
-environments are split over ranks, and a job gives the same table as `--local` for the same seed.
+One episode loop (`run_episodes`) runs either in one process (`--local`, `evaluate`) or as a
+Slurm job of simulators and frozen generators without a trainer (`main`). Episode e runs on
+environment e % n from a seed of (rollout.seed, e), so a job gives the same table as `--local`.
+Details: docs/runtime.md
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,23 +21,24 @@ from typing import Callable, Dict, List
 import numpy as np
 import torch
 
+from vlaslurm import rundir
 from vlaslurm.envs import make_env
 from vlaslurm.envs.base import Observation, VecEnv
 from vlaslurm.log import get_logger
 from vlaslurm.models import PolicyInput, build_policy
+from vlaslurm.rundir import Heartbeat, RunDir, write_atomic
 from vlaslurm.runtime import messages as msgs
-from vlaslurm.runtime import rundir
-from vlaslurm.runtime.context import RankContext, make_context, meet, rank_from_env
+from vlaslurm.runtime.context import RankContext, make_context, meet, rank_from_env, run_spec
 from vlaslurm.runtime.episodes import mix_seed, run_chunk, split_obs, stack_obs
 from vlaslurm.runtime.failures import FailureKeeper
-from vlaslurm.runtime.records import Heartbeat
-from vlaslurm.runtime.rendezvous import write_atomic
 from vlaslurm.runtime.roles.simulator import env_dims
+from vlaslurm.runtime.schedule import Sync
 from vlaslurm.runtime.transport import Dealer, Router
-from vlaslurm.spec import LoadedSpec
+from vlaslurm.spec import ExperimentSpec, LoadedSpec
+from vlaslurm.spec.env_types import EnvConfig
+from vlaslurm.spec.model_types import ModelConfig
+from vlaslurm.spec.schema import BatchingConfig
 
-EVAL_FILE = "eval.json"
-PARTS_DIR = "eval"  # eval/sim-<rank>.json: one simulator rank's outcomes, merged into EVAL_FILE by rank 0
 log = get_logger("vlaslurm.eval")
 
 
@@ -57,13 +52,34 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         if self.episodes < 1 or self.keep_failed < 0:
-            raise ValueError(f"eval needs --episodes >= 1 and --keep-failed >= 0, got {self.episodes} and "
-                             f"{self.keep_failed}")
+            raise ValueError(
+                f"eval needs --episodes >= 1 and --keep-failed >= 0, got {self.episodes} and {self.keep_failed}"
+            )
 
     def args(self) -> List[str]:
         """This config as the command line of a job's ranks (read back by `main`)."""
-        return ["--episodes", str(self.episodes), "--keep-failed", str(self.keep_failed),
-                *([] if self.deterministic else ["--sample"])]
+        return [
+            "--episodes",
+            str(self.episodes),
+            "--keep-failed",
+            str(self.keep_failed),
+            *([] if self.deterministic else ["--sample"]),
+        ]
+
+
+@dataclass(frozen=True)
+class EvalRankConfig:
+    """What a rank of an eval job needs: the eval's options, and the spec's env, model, seed and batching."""
+
+    eval: EvalConfig
+    env: EnvConfig
+    model: ModelConfig
+    seed: int  # rollout.seed
+    batching: BatchingConfig  # rollout.batching, of the frozen generators
+
+    @classmethod
+    def from_spec(cls, spec: ExperimentSpec, eval_cfg: EvalConfig) -> EvalRankConfig:
+        return cls(eval_cfg, spec.env, spec.model, spec.rollout.seed, spec.rollout.batching)
 
 
 @dataclass
@@ -110,13 +126,16 @@ def check_every_task_played(spec, episodes: int) -> None:
     would not be played at all, and eval.json would say nothing of them."""
     tasks = list(getattr(spec.env, "tasks", None) or [])
     if episodes < len(tasks):
-        raise ValueError(f"--episodes {episodes} is fewer than the spec's {len(tasks)} tasks (env.tasks): some "
-                         f"would never be played; ask for at least {len(tasks)} (a multiple of it plays each "
-                         f"task equally often)")
+        raise ValueError(
+            f"--episodes {episodes} is fewer than the spec's {len(tasks)} tasks (env.tasks): some "
+            f"would never be played; ask for at least {len(tasks)} (a multiple of it plays each "
+            f"task equally often)"
+        )
 
 
-def run_episodes(env: VecEnv, first_gid: int, num_envs: int, cfg: EvalConfig, seed: int, act: Act,
-                 outcomes: Outcomes) -> None:
+def run_episodes(
+    env: VecEnv, first_gid: int, num_envs: int, cfg: EvalConfig, seed: int, act: Act, outcomes: Outcomes
+) -> None:
     """Run the episodes of `env`'s instances (global ids from `first_gid`; `num_envs` over all ranks):
     each instance in turn runs episodes gid, gid + n, ... below cfg.episodes, with partial resets."""
     n = min(num_envs, cfg.episodes)
@@ -132,8 +151,13 @@ def run_episodes(env: VecEnv, first_gid: int, num_envs: int, cfg: EvalConfig, se
         result = run_chunk(env, np.asarray(ids, dtype=np.int64), actions)
         going = []
         for row, i in enumerate(ids):
-            trace[i].append((obs.state[row] if obs.state is not None else None, actions[row],
-                             obs.images[row] if obs.images is not None else None))
+            trace[i].append(
+                (
+                    obs.state[row] if obs.state is not None else None,
+                    actions[row],
+                    obs.images[row] if obs.images is not None else None,
+                )
+            )
             steps[i] += int(result.mask[row].sum())
             last = result.last_obs[row]
             if result.terminated[row] or result.truncated[row]:
@@ -149,10 +173,11 @@ def run_episodes(env: VecEnv, first_gid: int, num_envs: int, cfg: EvalConfig, se
             obs = stack_obs([o for _, o in going])
 
 
-def evaluate(loaded: LoadedSpec, runs_root: Path, episodes: int, keep_failed: int = 3,
-             deterministic: bool = True) -> Path:
+def evaluate(
+    loaded: LoadedSpec, runs_root: Path, episodes: int, keep_failed: int = 3, deterministic: bool = True
+) -> Path:
     """Run `episodes` episodes in this process; write `eval.json` and the failed trajectories (`Outcomes`)."""
-    from vlaslurm.slurm.plan import job_run_name
+    from vlaslurm.spec.plan import job_run_name
 
     cfg = EvalConfig(episodes, keep_failed, deterministic)
     spec = loaded.spec
@@ -162,8 +187,9 @@ def evaluate(loaded: LoadedSpec, runs_root: Path, episodes: int, keep_failed: in
     policy = build_policy(spec.model, **env_dims(env, spec.env)).eval()
     outcomes = Outcomes(directory, keep_failed)
     try:
-        run_episodes(env, 0, spec.env.num_envs, cfg, spec.rollout.seed, local_act(policy, cfg, spec.rollout.seed),
-                     outcomes)
+        run_episodes(
+            env, 0, spec.env.num_envs, cfg, spec.rollout.seed, local_act(policy, cfg, spec.rollout.seed), outcomes
+        )
     finally:
         env.close()
     write_summary(directory, str(loaded.path), cfg, [outcomes.to_json()])
@@ -172,9 +198,14 @@ def evaluate(loaded: LoadedSpec, runs_root: Path, episodes: int, keep_failed: in
 
 def local_act(policy, cfg: EvalConfig, seed: int) -> Act:
     """Actions from `policy` in this process (`--local`); a job's simulators ask their generator instead."""
+
     def act(obs: Observation, decision: Decision) -> np.ndarray:
-        inp = PolicyInput(_tensor(obs.images), _tensor(obs.state), obs.instructions,
-                          torch.tensor(decision.seeds(seed), dtype=torch.int64))
+        inp = PolicyInput(
+            _tensor(obs.images),
+            _tensor(obs.state),
+            obs.instructions,
+            torch.tensor(decision.seeds(seed), dtype=torch.int64),
+        )
         with torch.no_grad():
             return policy.act(inp, deterministic=cfg.deterministic).actions.float().numpy()
 
@@ -189,10 +220,15 @@ def write_summary(directory: Path, spec_path: str, cfg: EvalConfig, parts: List[
         for task, eps in part.items():
             merged[task].update(eps)
     outcomes = {task: dict(sorted(eps.items(), key=lambda kv: int(kv[0]))) for task, eps in sorted(merged.items())}
-    summary = {"spec": spec_path, "episodes": sum(map(len, outcomes.values())), "deterministic": cfg.deterministic,
-               "success": {t: float(np.mean(list(v.values()))) for t, v in outcomes.items()},
-               "episodes_per_task": {t: len(v) for t, v in outcomes.items()}, "outcomes": outcomes}
-    write_atomic(Path(directory) / EVAL_FILE, json.dumps(summary, indent=2).encode(), mode=0o644)
+    summary = {
+        "spec": spec_path,
+        "episodes": sum(map(len, outcomes.values())),
+        "deterministic": cfg.deterministic,
+        "success": {t: float(np.mean(list(v.values()))) for t, v in outcomes.items()},
+        "episodes_per_task": {t: len(v) for t, v in outcomes.items()},
+        "outcomes": outcomes,
+    }
+    write_atomic(RunDir(directory).eval, json.dumps(summary, indent=2).encode(), mode=0o644)
     return summary
 
 
@@ -201,12 +237,16 @@ def _tensor(array):
 
 
 def _save_failed(directory: Path, task: str, index: int, episode: int, instruction: str, steps: list) -> None:
-    folder = directory / "failed"
-    folder.mkdir(exist_ok=True)
+    path = RunDir(directory).failed_trajectory(task, index)
+    path.parent.mkdir(exist_ok=True)
     states = [s[0] for s in steps if s[0] is not None]
-    np.savez_compressed(folder / f"{task}-{index}.npz", actions=np.stack([s[1] for s in steps]),
-                        states=np.stack(states) if states else np.zeros(0), instruction=np.asarray(instruction),
-                        episode=np.asarray(episode))
+    np.savez_compressed(
+        path,
+        actions=np.stack([s[1] for s in steps]),
+        states=np.stack(states) if states else np.zeros(0),
+        instruction=np.asarray(instruction),
+        episode=np.asarray(episode),
+    )
 
 
 # --- an eval job's ranks ----------------------------------------------------------------------------
@@ -217,6 +257,7 @@ def main(argv=None) -> int:
     (rendered by `vlaslurm eval`; the same start as `vlaslurm.runtime.worker`, then the eval roles)."""
     from vlaslurm.runtime import signals, worker
 
+    assert main.__doc__ is not None  # the docstring above
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     parser.add_argument("--role", required=True, choices=sorted(EVAL_ROLES))
     parser.add_argument("--run-dir", required=True, type=Path)
@@ -228,32 +269,32 @@ def main(argv=None) -> int:
     signals.install(drain_on_term=False)  # USR2 never kills a rank; TERM ends it (nothing to save)
     rank = rank_from_env()
     if args.rank_log:
-        worker.append_output_to(args.run_dir / "logs" / args.role / f"{rank}.log")
+        worker.append_output_to(RunDir(args.run_dir).log(args.role, rank))
     worker.log_start_line(args.role, rank)
     try:
-        cfg = EvalConfig(args.episodes, args.keep_failed, not args.sample)
-        return EVAL_ROLES[args.role](make_context(args.role, args.run_dir), cfg)
+        spec = run_spec(args.run_dir)
+        cfg = EvalRankConfig.from_spec(spec, EvalConfig(args.episodes, args.keep_failed, not args.sample))
+        return EVAL_ROLES[args.role](make_context(args.role, args.run_dir, spec.runtime), cfg)
     except Exception as exc:  # noqa: BLE001 - the last word of a rank must reach its log
         log.error("eval %s failed: %s\n%s", args.role, exc, traceback.format_exc())
         return 1
 
 
-def simulate(ctx: RankContext, cfg: EvalConfig) -> int:
+def simulate(ctx: RankContext, cfg: EvalRankConfig) -> int:
     """A simulator rank of an eval job: its environments' episodes, with actions from its generator;
     rank 0 then merges every rank's outcomes into `eval.json`."""
     from vlaslurm.envs import preflight
 
-    spec = ctx.spec
     sims = ctx.info.ranks["simulator"]
-    local = spec.env.num_envs // sims
-    if report := preflight.check_once_per_node(spec.env, ctx.rank):
+    local = cfg.env.num_envs // sims
+    if report := preflight.check_once_per_node(cfg.env, ctx.rank):
         log.info("%s", report.text())
-    env = make_env(spec.env, num_envs=local, rank=ctx.rank, seed=spec.rollout.seed)
-    meet(ctx, ports={}, extra=env_dims(env, spec.env), roles=())  # no torch.distributed world: nothing to sync
-    outcomes = Outcomes(ctx.run_dir, cfg.keep_failed, first_index=ctx.rank * cfg.keep_failed)
-    client = _GeneratorClient(ctx, outcomes)
+    env = make_env(cfg.env, num_envs=local, rank=ctx.rank, seed=cfg.seed)
+    meet(ctx, ports={}, extra=env_dims(env, cfg.env), roles=())  # no torch.distributed world: nothing to sync
+    outcomes = Outcomes(ctx.run_dir, cfg.eval.keep_failed, first_index=ctx.rank * cfg.eval.keep_failed)
+    client = _GeneratorClient(ctx, outcomes, cfg.seed)
     try:
-        run_episodes(env, ctx.rank * local, spec.env.num_envs, cfg, spec.rollout.seed, client.act, outcomes)
+        run_episodes(env, ctx.rank * local, cfg.env.num_envs, cfg.eval, cfg.seed, client.act, outcomes)
         client.done()
     finally:
         env.close()
@@ -261,7 +302,7 @@ def simulate(ctx: RankContext, cfg: EvalConfig) -> int:
     write_atomic(_part(ctx.run_dir, ctx.rank), json.dumps(outcomes.to_json()).encode(), mode=0o644)
     log.info("finished %d episodes", sum(map(len, outcomes.success.values())))
     if ctx.rank == 0:
-        summary = write_summary(ctx.run_dir, ctx.info.spec_path, cfg, _gather_parts(ctx, sims))
+        summary = write_summary(ctx.run_dir, ctx.info.spec_path, cfg.eval, _gather_parts(ctx, sims))
         log.info("success per task: %s", summary["success"])
     return 0
 
@@ -269,8 +310,8 @@ def simulate(ctx: RankContext, cfg: EvalConfig) -> int:
 class _GeneratorClient:
     """A simulator rank's line to its generator (rank % generators, as in the lock-step modes)."""
 
-    def __init__(self, ctx: RankContext, outcomes: Outcomes) -> None:
-        self.ctx, self.outcomes = ctx, outcomes
+    def __init__(self, ctx: RankContext, outcomes: Outcomes, seed: int) -> None:
+        self.ctx, self.outcomes, self.seed = ctx, outcomes, seed
         self.gen = ctx.rank % ctx.info.ranks["generator"]
         self.dealer = Dealer(ctx.secret, identity=f"simulator-{ctx.rank}".encode(), name=f"obs->generator[{self.gen}]")
         self.dealer.connect(ctx.member("generator", self.gen).endpoint("obs"))
@@ -278,15 +319,25 @@ class _GeneratorClient:
         self.answered = False  # the first answer waits for the generator to load its policy
 
     def act(self, obs: Observation, decision: Decision) -> np.ndarray:
-        req = msgs.ObsRequest(decision.gids, decision.episodes, decision.steps, decision.seeds(self.ctx.spec.rollout.seed),
-                              obs, sub_group=0, min_version=0, sim_rank=self.ctx.rank)
+        req = msgs.ObsRequest(
+            decision.gids,
+            decision.episodes,
+            decision.steps,
+            decision.seeds(self.seed),
+            obs,
+            sub_group=0,
+            min_version=0,
+            sim_rank=self.ctx.rank,
+        )
         self.dealer.send(msgs.encode_obs(req))
         limit = self.ctx.deadlines.running_s if self.answered else self.ctx.deadlines.first_s
         end = time.monotonic() + limit
         while (msg := self.dealer.recv(100)) is None or msg.kind != msgs.ACT:
             if time.monotonic() > end:
-                raise TimeoutError(f"simulator[{self.ctx.rank}]: generator[{self.gen}] sent no actions for {limit:g} s "
-                                   f"(host {self.ctx.member('generator', self.gen).host})")
+                raise TimeoutError(
+                    f"simulator[{self.ctx.rank}]: generator[{self.gen}] sent no actions for {limit:g} s "
+                    f"(host {self.ctx.member('generator', self.gen).host})"
+                )
         self.answered = True
         self.heartbeat.beat(0, f"episodes={sum(map(len, self.outcomes.success.values()))}")
         return msgs.decode_act(msg).actions
@@ -300,9 +351,9 @@ class _GeneratorClient:
 
 
 def _part(run_dir: Path, rank: int) -> Path:
-    folder = Path(run_dir) / PARTS_DIR
-    folder.mkdir(exist_ok=True)
-    return folder / f"sim-{rank}.json"
+    path = RunDir(run_dir).eval_part(rank)
+    path.parent.mkdir(exist_ok=True)
+    return path
 
 
 def _gather_parts(ctx: RankContext, sims: int) -> List[dict]:
@@ -312,27 +363,32 @@ def _gather_parts(ctx: RankContext, sims: int) -> List[dict]:
         missing = [r for r in range(sims) if not _part(ctx.run_dir, r).exists()]
         if not missing:
             return [json.loads(_part(ctx.run_dir, r).read_text()) for r in range(sims)]
-        beats = [ctx.run_dir / "heartbeats" / f"simulator-{r}.json" for r in missing]
-        silent = [r for r, b in zip(missing, beats) if time.time() - (b.stat().st_mtime if b.exists() else started)
-                  > ctx.deadlines.running_s]
+        beats = [RunDir(ctx.run_dir).heartbeat("simulator", r) for r in missing]
+        silent = [
+            r
+            for r, b in zip(missing, beats)
+            if time.time() - (b.stat().st_mtime if b.exists() else started) > ctx.deadlines.running_s
+        ]
         if silent:
             names = ", ".join(f"simulator[{r}]" for r in silent)
-            raise TimeoutError(f"simulator[0]: {names} wrote no outcomes and no heartbeat for "
-                               f"{ctx.deadlines.running_s:g} s")
+            raise TimeoutError(
+                f"simulator[0]: {names} wrote no outcomes and no heartbeat for {ctx.deadlines.running_s:g} s"
+            )
         time.sleep(0.5)
 
 
-def serve(ctx: RankContext, cfg: EvalConfig) -> int:
+def serve(ctx: RankContext, cfg: EvalRankConfig) -> int:
     """A generator rank of an eval job: `model.path` frozen (version 0) for its simulators, until each says done."""
-    from vlaslurm.runtime.roles.generator import Batcher, Pending, lockstep_clients
+    from vlaslurm.runtime.roles.generator import Batcher, Pending
 
     router = Router(ctx.secret, name=f"generator[{ctx.rank}]")
     router.bind(ctx.address)
     meet(ctx, ports={"obs": router.port}, roles=())
-    policy = build_policy(ctx.spec.model, **ctx.member("simulator", 0).extra).to(ctx.device).eval()
-    batching = ctx.spec.rollout.batching
-    clients = lockstep_clients("sync", ctx.rank, ctx.info.ranks)  # simulators route by rank, as in sync mode
-    batcher = Batcher(batching.max_batch, batching.max_wait_ms / 1000.0, clients)
+    policy = build_policy(cfg.model, **ctx.member("simulator", 0).extra).to(ctx.device).eval()
+    batching = cfg.batching
+    schedule = Sync(max_batch=batching.max_batch, max_wait_s=batching.max_wait_ms / 1000.0)  # route by rank
+    clients = schedule.clients(ctx.rank, ctx.info.ranks["simulator"], ctx.info.ranks["generator"])
+    batcher = Batcher(schedule, clients)
     heartbeat = Heartbeat(ctx.run_dir, "generator", ctx.rank)
     done: set = set()
     served, heard, limit = 0, time.monotonic(), ctx.deadlines.first_s
@@ -347,15 +403,17 @@ def serve(ctx: RankContext, cfg: EvalConfig) -> int:
                 else:
                     batcher.pending.append(Pending(peer, msgs.decode_obs(msg), time.monotonic()))
             elif time.monotonic() - heard > limit:
-                raise TimeoutError(f"generator[{ctx.rank}]: {clients - len(done)} of its simulators sent nothing for "
-                                   f"{limit:g} s (done: {sorted(done)})")
+                raise TimeoutError(
+                    f"generator[{ctx.rank}]: {clients - len(done)} of its simulators sent nothing for "
+                    f"{limit:g} s (done: {sorted(done)})"
+                )
             if batcher.ready(0, time.monotonic()):
-                served += _serve_batch(ctx, policy, batcher.take(0), router, cfg)
+                served += _serve_batch(ctx, policy, batcher.take(0), router, cfg.eval)
             heartbeat.beat(0, f"served={served}")
     finally:
         router.close()
     heartbeat.beat(0, f"finished served={served}", force=True)
-    log.info("served %d decisions of a frozen %s", served, ctx.spec.model.type)
+    log.info("served %d decisions of a frozen %s", served, cfg.model.type)
     return 0
 
 
@@ -373,7 +431,7 @@ def _serve_batch(ctx: RankContext, policy, batch: list, router: Router, cfg: Eva
     return len(actions)
 
 
-EVAL_ROLES: Dict[str, Callable[[RankContext, EvalConfig], int]] = {"simulator": simulate, "generator": serve}
+EVAL_ROLES: Dict[str, Callable[[RankContext, EvalRankConfig], int]] = {"simulator": simulate, "generator": serve}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,19 +1,11 @@
 """A few failed episodes per task kept as animated GIFs, for a human to look at.
 
-The ledger says which episodes failed; the frames say why. Trainer rank 0 offers
-every segment it receives to a `FailureKeeper`; the final segment of an episode
-that ended (terminated or truncated) without success, if its environment has
-images, becomes `<run_dir>/failures/<task>/<traj_id>.gif` — at most
-`tracking.failures_per_task` per task. Long episodes travel in pieces, so the GIF
-shows the last piece: the steps that led to the failure. State-only
-environments keep only their ledger rows. The tracker uploads each new file
-once (`vlaslurm.tracking.follow`). `vlaslurm eval` keeps its failures the same way.
-
-Encoding a GIF of a few dozen small frames takes milliseconds, but it runs on a
-writer thread anyway so the trainer's intake never waits for a disk; the files
-are written under a temporary name and renamed, so the tracker never uploads
-half a file.
+Trainer rank 0 (and `vlaslurm eval`) offers every segment to a `FailureKeeper`; the last piece of
+an episode that ended without success becomes ``<run_dir>/failures/<task>/<traj_id>.gif``, at
+most `tracking.failures_per_task` per task, written on a writer thread and renamed into place.
+Details: docs/runtime.md
 """
+
 from __future__ import annotations
 
 import io
@@ -26,14 +18,14 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 import numpy as np
 
 from vlaslurm.log import get_logger
-from vlaslurm.runtime.rendezvous import write_atomic
+from vlaslurm.rundir import RunDir, layout, write_atomic
 
 if TYPE_CHECKING:  # the tracker imports this module: keep it light
     from vlaslurm.runtime.messages import Segment
 
 log = get_logger("vlaslurm.failures")
 
-FAILURES_DIR = "failures"
+FAILURES_DIR = layout.FAILURES
 MIN_SIDE = 128  # small images (the toy env's 32 px) are scaled up by a whole factor, so they can be seen
 FRAME_MS = 200
 
@@ -43,7 +35,7 @@ def task_folder(task: str) -> str:
     return re.sub(r"[^\w.-]", "_", str(task)) or "_"
 
 
-def is_failed_end(seg: "Segment") -> bool:
+def is_failed_end(seg: Segment) -> bool:
     """The last segment of an episode that ended without success."""
     return seg.episode_done and not seg.success
 
@@ -71,7 +63,7 @@ class FailureKeeper:
     """Writes at most `per_task` failed episodes per task under `<run_dir>/failures/` (see the module docstring)."""
 
     def __init__(self, run_dir: Path, per_task: int, background: bool = True) -> None:
-        self.root = Path(run_dir) / FAILURES_DIR
+        self.root = RunDir(run_dir).failures
         self.per_task = per_task
         self.kept: Dict[str, int] = defaultdict(int)
         for folder in self.root.glob("*") if self.root.is_dir() else []:  # a resumed run keeps counting
@@ -82,7 +74,7 @@ class FailureKeeper:
     def wants(self, task: str) -> bool:
         return self.kept[task_folder(task)] < self.per_task
 
-    def offer(self, seg: "Segment") -> Optional[Path]:
+    def offer(self, seg: Segment) -> Optional[Path]:
         """Keep `seg` if it ends a failed episode, has images, and its task has room; the file's path if kept."""
         if seg.images is None or not is_failed_end(seg):
             return None

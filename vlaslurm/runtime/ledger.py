@@ -9,6 +9,7 @@ row can be checked against what the generators recorded serving), and `digest`
 a hash of its observations' state, actions, rewards and masks (equal digests:
 the same trajectory).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -18,41 +19,71 @@ from typing import Dict, List
 import numpy as np
 import pandas as pd
 
+from vlaslurm.rundir import RunDir, read_ledger, write_table
 from vlaslurm.runtime.messages import Segment
-from vlaslurm.runtime.rendezvous import write_atomic
 
-LEDGER = "ledger.parquet"
-COLUMNS = ["traj_id", "env_id", "episode", "segment", "task", "behavior_version", "consumed_version", "lag",
-           "steps", "success", "terminated", "truncated", "used", "dropped", "t_start", "t_end", "t_consumed",
-           "sim_rank", "step_ids", "digest"]
+COLUMNS = [
+    "traj_id",
+    "env_id",
+    "episode",
+    "segment",
+    "task",
+    "behavior_version",
+    "consumed_version",
+    "lag",
+    "steps",
+    "success",
+    "terminated",
+    "truncated",
+    "used",
+    "dropped",
+    "t_start",
+    "t_end",
+    "t_consumed",
+    "sim_rank",
+    "step_ids",
+    "digest",
+]
 
 
 class Ledger:
     """Rows kept in memory and written atomically (a reader never sees half a file)."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.path = Path(run_dir) / LEDGER
+        self.path = RunDir(run_dir).ledger
         self.rows: List[Dict] = []
 
     def add(self, seg: Segment, consumed_version: int, used: bool, dropped: bool, t_consumed: float) -> None:
-        self.rows.append({
-            "traj_id": seg.traj_id, "env_id": seg.env_id, "episode": seg.episode, "segment": seg.index,
-            "task": seg.task, "behavior_version": seg.version, "consumed_version": consumed_version,
-            "lag": consumed_version - seg.version if consumed_version >= 0 else -1, "steps": seg.steps,
-            "success": bool(seg.success), "terminated": bool(seg.terminated), "truncated": bool(seg.truncated),
-            "used": used, "dropped": dropped, "t_start": seg.t_start, "t_end": seg.t_end,
-            "t_consumed": t_consumed, "sim_rank": seg.sim_rank, "step_ids": [int(x) for x in seg.step_ids],
-            "digest": digest(seg)})
+        self.rows.append(
+            {
+                "traj_id": seg.traj_id,
+                "env_id": seg.env_id,
+                "episode": seg.episode,
+                "segment": seg.index,
+                "task": seg.task,
+                "behavior_version": seg.version,
+                "consumed_version": consumed_version,
+                "lag": consumed_version - seg.version if consumed_version >= 0 else -1,
+                "steps": seg.steps,
+                "success": bool(seg.success),
+                "terminated": bool(seg.terminated),
+                "truncated": bool(seg.truncated),
+                "used": used,
+                "dropped": dropped,
+                "t_start": seg.t_start,
+                "t_end": seg.t_end,
+                "t_consumed": t_consumed,
+                "sim_rank": seg.sim_rank,
+                "step_ids": [int(x) for x in seg.step_ids],
+                "digest": digest(seg),
+            }
+        )
 
     def frame(self) -> pd.DataFrame:
         return pd.DataFrame(self.rows, columns=COLUMNS)
 
     def write(self) -> None:
-        import io
-
-        buffer = io.BytesIO()
-        self.frame().to_parquet(buffer, index=False)
-        write_atomic(self.path, buffer.getvalue(), mode=0o644)
+        write_table(self.path, self.frame())
 
 
 def digest(seg: Segment) -> str:
@@ -64,6 +95,4 @@ def digest(seg: Segment) -> str:
     return h.hexdigest()
 
 
-def read_ledger(run_dir: Path) -> pd.DataFrame:
-    """The ledger of a run."""
-    return pd.read_parquet(Path(run_dir) / LEDGER)
+__all__ = ["COLUMNS", "Ledger", "digest", "read_ledger"]

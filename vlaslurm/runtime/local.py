@@ -4,9 +4,9 @@ The same worker entry point as under Slurm; only the launcher differs. The
 launcher supervises the ranks: the first failure stops the rest, and each
 rank's exit is written to the exit record as the batch script does.
 """
+
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,18 +14,17 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
-from vlaslurm.runtime import rundir
-from vlaslurm.runtime.rendezvous import write_atomic
-from vlaslurm.runtime.secret import create_secret
+from vlaslurm import rundir
+from vlaslurm.rundir import RunDir
 from vlaslurm.runtime.signals import REQUEUE_EXIT
-from vlaslurm.slurm.plan import build_plan
-from vlaslurm.slurm.submit import EXIT_RECORD
 from vlaslurm.spec import LoadedSpec
+from vlaslurm.spec.plan import build_plan
 from vlaslurm.spec.validate import check_model_path
 
 ROLES = ("trainer", "generator", "simulator")
+Tick = Callable[[Path], None]  # called with the run directory while the ranks run
 
 
 @dataclass
@@ -47,65 +46,93 @@ def prepare_local_run(loaded: LoadedSpec, runs_root: Path, run_dir: Optional[Pat
     """Create and fill the run directory of a local run."""
     check_model_path(loaded)
     directory = rundir.claim_run_dir(run_dir) if run_dir else rundir.new_run_dir(runs_root, loaded.spec.name)
-    (directory / "logs").mkdir(exist_ok=True)
-    write_atomic(directory / "spec.yaml", loaded.to_yaml().encode())
-    create_secret(directory)
-    info = rundir.RunInfo(name=loaded.spec.name, run_dir=str(directory.resolve()), kind="local",
-                          spec_path=str(loaded.path), overrides=list(loaded.overrides), ranks=local_ranks(loaded))
+    rundir.create_run(directory, loaded.to_yaml())
+    info = rundir.RunInfo(
+        name=loaded.spec.name,
+        run_dir=str(directory.resolve()),
+        kind="local",
+        spec_path=str(loaded.path),
+        overrides=list(loaded.overrides),
+        ranks=local_ranks(loaded),
+    )
     rundir.write_info(info)
     rundir.append_index(runs_root, info)
     return info
 
 
-def run_local(loaded: LoadedSpec, runs_root: Path, run_dir: Optional[Path] = None, probe: bool = False,
-              extra_args: Tuple[str, ...] = (), echo: bool = True, timeout_s: Optional[float] = None) -> int:
-    """Run all ranks locally until they finish; return the first failure's exit code (0 if none)."""
+def run_local(
+    loaded: LoadedSpec,
+    runs_root: Path,
+    run_dir: Optional[Path] = None,
+    probe: bool = False,
+    extra_args: Tuple[str, ...] = (),
+    echo: bool = True,
+    timeout_s: Optional[float] = None,
+    on_tick: Optional[Tick] = None,
+) -> int:
+    """Run all ranks locally until they finish; return the first failure's exit code (0 if none).
+
+    `echo`: print the run directory and trainer rank 0's progress and error lines; `on_tick(run_dir)` is
+    called a few times a second while the ranks run, and once after they ended (a progress display)."""
     info = prepare_local_run(loaded, runs_root, run_dir)
     directory = Path(info.run_dir)
     if echo:
         print(f"run dir: {directory}", flush=True)
     args = (["--probe"] if probe else []) + list(extra_args)
     procs = [_spawn(directory, role, rank, args, info) for role in ROLES for rank in range(info.ranks.get(role, 0))]
-    return _supervise(directory, procs, echo, timeout_s)
+    return _supervise(directory, procs, echo, timeout_s, on_tick=on_tick)
 
 
 def resume_local(info: rundir.RunInfo, echo: bool = True, timeout_s: Optional[float] = None) -> int:
     """Start every rank again in an existing run directory (attempt N meets in a fresh rendezvous
     `local-<dir>-rN`); the trainer continues from the newest checkpoint."""
     directory = Path(info.run_dir)
-    attempt = len(list((directory / "rendezvous").glob("*"))) if (directory / "rendezvous").is_dir() else 0
+    attempts = RunDir(directory).rendezvous_root
+    attempt = len(list(attempts.glob("*"))) if attempts.is_dir() else 0
     if echo:
         print(f"run dir: {directory} (attempt {attempt})", flush=True)
-    procs = [_spawn(directory, role, rank, [], info, attempt) for role in ROLES
-             for rank in range(info.ranks.get(role, 0))]
+    procs = [
+        _spawn(directory, role, rank, [], info, attempt) for role in ROLES for rank in range(info.ranks.get(role, 0))
+    ]
     return _supervise(directory, procs, echo, timeout_s, attempt)
 
 
-def _spawn(directory: Path, role: str, rank: int, args: List[str], info: rundir.RunInfo,
-           attempt: int = 0) -> LocalProc:
-    log_dir = directory / "logs" / role
-    log_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, VLASLURM_RANK=str(rank), VLASLURM_JOB_KEY=f"local-{Path(info.run_dir).name}-r{attempt}",
-               PYTHONUNBUFFERED="1")
+def _spawn(directory: Path, role: str, rank: int, args: List[str], info: rundir.RunInfo, attempt: int = 0) -> LocalProc:
+    log_path = RunDir(directory).log(role, rank)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(
+        os.environ,
+        VLASLURM_RANK=str(rank),
+        VLASLURM_JOB_KEY=f"local-{Path(info.run_dir).name}-r{attempt}",
+        PYTHONUNBUFFERED="1",
+    )
     env.setdefault("OMP_NUM_THREADS", "1")  # many ranks share few cores; one BLAS thread each
-    log = open(log_dir / f"{rank}.log", "ab")
+    log = open(log_path, "ab")
     cmd = [sys.executable, "-m", "vlaslurm.runtime.worker", "--role", role, "--run-dir", str(directory), *args]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     log.close()
     return LocalProc(role, rank, proc, time.time())
 
 
-def _supervise(directory: Path, procs: List[LocalProc], echo: bool, timeout_s: Optional[float],
-               attempt: int = 0) -> int:
+def _supervise(
+    directory: Path,
+    procs: List[LocalProc],
+    echo: bool,
+    timeout_s: Optional[float],
+    attempt: int = 0,
+    on_tick: Optional[Tick] = None,
+) -> int:
     status = 0
     running = list(procs)
     deadline = time.monotonic() + timeout_s if timeout_s else None
-    tail = _LogTail(directory / "logs" / "trainer" / "0.log") if echo else None
+    tail = _LogTail(RunDir(directory).log("trainer", 0)) if echo else None
     try:
         while running:
             time.sleep(0.2)
             if tail:
                 tail.pump()
+            if on_tick:
+                on_tick(directory)
             for p in [p for p in running if p.proc.poll() is not None]:
                 running.remove(p)
                 _record(directory, f"{p.role}[{p.rank}]", p.proc.returncode, p.started, attempt)
@@ -126,6 +153,8 @@ def _supervise(directory: Path, procs: List[LocalProc], echo: bool, timeout_s: O
         if tail:
             tail.pump()
     _record(directory, "job", status, 0.0, attempt)
+    if on_tick:
+        on_tick(directory)
     return status
 
 
@@ -137,8 +166,9 @@ def _failure(directory: Path, p: LocalProc) -> str:
         return f"vlaslurm: {p.role}[{p.rank}] saved a checkpoint and stopped on a signal; {resume}"
     how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"failed with exit code {code}"
     after = f"; the last checkpoint is kept ({resume})" if p.role == "trainer" else ""
-    return (f"vlaslurm: {p.role}[{p.rank}] {how}; stopping the others (log: {directory}/logs/{p.role}/{p.rank}.log)"
-            f"{after}")
+    return (
+        f"vlaslurm: {p.role}[{p.rank}] {how}; stopping the others (log: {RunDir(directory).log(p.role, p.rank)}){after}"
+    )
 
 
 def _terminate(procs: List[LocalProc], grace_s: float = 10.0) -> None:
@@ -154,9 +184,9 @@ def _terminate(procs: List[LocalProc], grace_s: float = 10.0) -> None:
 
 
 def _record(directory: Path, step: str, code: int, started: float, attempt: int = 0) -> None:
-    line = json.dumps({"step": step, "exit_code": code, "start": started, "end": time.time(), "restart": attempt})
-    with open(directory / EXIT_RECORD, "a") as handle:
-        handle.write(line + "\n")
+    rundir.append_exit_record(
+        directory, {"step": step, "exit_code": code, "start": started, "end": time.time(), "restart": attempt}
+    )
 
 
 class _LogTail:

@@ -9,10 +9,11 @@ and when to stop. In the collocated layout every generator and trainer rank tell
 trainer rank 0 when its state has left the GPU (`offloaded`), so that the next
 role moves on only once the device is free.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -43,17 +44,34 @@ class ObsRequest:
 
 def encode_obs(req: ObsRequest) -> Message:
     arrays = _obs_arrays(req.obs)
-    meta = {"env_ids": req.env_ids, "episodes": req.episodes, "steps": req.steps, "seeds": req.seeds,
-            "instructions": req.obs.instructions, "sub_group": req.sub_group, "min_version": req.min_version,
-            "sent_at": req.sent_at, "sim_rank": req.sim_rank}
+    meta = {
+        "env_ids": req.env_ids,
+        "episodes": req.episodes,
+        "steps": req.steps,
+        "seeds": req.seeds,
+        "instructions": req.obs.instructions,
+        "sub_group": req.sub_group,
+        "min_version": req.min_version,
+        "sent_at": req.sent_at,
+        "sim_rank": req.sim_rank,
+    }
     return Message(OBS, meta, arrays)
 
 
 def decode_obs(msg: Message) -> ObsRequest:
     m = msg.meta
     obs = Observation(msg.arrays.get("images"), msg.arrays.get("state"), list(m["instructions"]))
-    return ObsRequest(list(m["env_ids"]), list(m["episodes"]), list(m["steps"]), list(m["seeds"]), obs,
-                      int(m["sub_group"]), int(m["min_version"]), float(m["sent_at"]), int(m["sim_rank"]))
+    return ObsRequest(
+        list(m["env_ids"]),
+        list(m["episodes"]),
+        list(m["steps"]),
+        list(m["seeds"]),
+        obs,
+        int(m["sub_group"]),
+        int(m["min_version"]),
+        float(m["sent_at"]),
+        int(m["sim_rank"]),
+    )
 
 
 @dataclass
@@ -70,15 +88,24 @@ class ActReply:
 
 
 def encode_act(rep: ActReply) -> Message:
-    return Message(ACT, {"env_ids": rep.env_ids, "sub_group": rep.sub_group, "version": rep.version,
-                         "gen_rank": rep.gen_rank},
-                   {"actions": rep.actions, "logprob": rep.logprob, "value": rep.value})
+    return Message(
+        ACT,
+        {"env_ids": rep.env_ids, "sub_group": rep.sub_group, "version": rep.version, "gen_rank": rep.gen_rank},
+        {"actions": rep.actions, "logprob": rep.logprob, "value": rep.value},
+    )
 
 
 def decode_act(msg: Message) -> ActReply:
     m = msg.meta
-    return ActReply(list(m["env_ids"]), int(m["sub_group"]), int(m["version"]), msg.arrays["actions"],
-                    msg.arrays["logprob"], msg.arrays["value"], int(m["gen_rank"]))
+    return ActReply(
+        list(m["env_ids"]),
+        int(m["sub_group"]),
+        int(m["version"]),
+        msg.arrays["actions"],
+        msg.arrays["logprob"],
+        msg.arrays["value"],
+        int(m["gen_rank"]),
+    )
 
 
 def held(env_ids: List[int], gen_rank: int) -> Message:
@@ -135,8 +162,22 @@ class Segment:
 
 
 _SEG_ARRAYS = ("images", "state", "actions", "logprob", "value", "rewards", "mask", "step_ids", "versions")
-_SEG_META = ("traj_id", "env_id", "episode", "index", "task", "instruction", "version", "terminated", "truncated",
-             "success", "t_start", "t_end", "sim_rank", "incarnation")
+_SEG_META = (
+    "traj_id",
+    "env_id",
+    "episode",
+    "index",
+    "task",
+    "instruction",
+    "version",
+    "terminated",
+    "truncated",
+    "success",
+    "t_start",
+    "t_end",
+    "sim_rank",
+    "incarnation",
+)
 
 
 def encode_segment(seg: Segment) -> Message:
@@ -145,7 +186,7 @@ def encode_segment(seg: Segment) -> Message:
 
 
 def decode_segment(msg: Message) -> Segment:
-    arrays = {k: msg.arrays.get(k) for k in _SEG_ARRAYS}
+    arrays: Dict[str, Any] = {k: msg.arrays.get(k) for k in _SEG_ARRAYS}
     return Segment(**{k: msg.meta[k] for k in _SEG_META}, **arrays)
 
 
@@ -160,8 +201,10 @@ def _obs_arrays(obs: Observation) -> Dict[str, np.ndarray]:
 
 def phase_end(version: int, sim_rank: int, steps: int, segments: int, incarnation: int = 0) -> Message:
     """A simulator finished its rollout phase of `version` (sync and pipelined modes)."""
-    return Message(PHASE_END, {"version": version, "sim_rank": sim_rank, "steps": steps, "segments": segments,
-                               "incarnation": incarnation})
+    return Message(
+        PHASE_END,
+        {"version": version, "sim_rank": sim_rank, "steps": steps, "segments": segments, "incarnation": incarnation},
+    )
 
 
 def sim_restart(sim_rank: int, incarnation: int) -> Message:
@@ -179,8 +222,9 @@ def ctl(version: int, consumed_steps: int, stop: bool, taken: int = -1, waiting:
     `taken`: the newest version whose rollout phase is over (its batch taken); -1 before the first.
     `waiting`: slots the trainer holds but cannot use yet (GRPO groups not whole), credited to the hold
     budget for now only: unlike `consumed_steps` it can go down again, so receivers must not latch it."""
-    return Message(CTL, {"version": version, "consumed_steps": consumed_steps, "stop": stop, "taken": taken,
-                         "waiting": waiting})
+    return Message(
+        CTL, {"version": version, "consumed_steps": consumed_steps, "stop": stop, "taken": taken, "waiting": waiting}
+    )
 
 
 def offloaded(version: int, role: str, rank: int) -> Message:

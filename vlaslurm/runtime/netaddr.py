@@ -6,6 +6,7 @@ was bound. `bind_address(None)` picks the address the hostname resolves to
 (the usual cluster address on Slurm nodes); `runtime.bind_address` in the spec
 overrides it with an IP, a hostname or an interface name (e.g. ``ib0``).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -97,7 +98,9 @@ def bind_address(configured: str | None = None) -> str:
     if configured:
         address = _resolve(configured)
         if not is_bindable(address):
-            raise ValueError(f"runtime.bind_address {configured!r} ({address}) cannot be bound on {socket.gethostname()}")
+            raise ValueError(
+                f"runtime.bind_address {configured!r} ({address}) cannot be bound on {socket.gethostname()}"
+            )
         return address
     hostname = socket.gethostname()
     try:
@@ -111,6 +114,8 @@ def bind_address(configured: str | None = None) -> str:
     if ipaddress.IPv4Address(address).is_loopback:
         log.warning(
             "hostname %s resolves to loopback %s: other nodes cannot reach this rank; "
-            "set runtime.bind_address for multi-node jobs", hostname, address,
+            "set runtime.bind_address for multi-node jobs",
+            hostname,
+            address,
         )
     return address

@@ -1,44 +1,12 @@
 """Collocated layout: a role's tensors leave the shared GPU while another role needs it.
 
-With `resources.layout: collocated` the generator and the trainer take turns on the
-same GPUs (sync and pipelined only: the turns are the rollout phases). So that each
-has the memory while it works, state moves between the device and host memory
-only at the phase boundaries, never per step:
-
-    generator  its model moves off when the rollout phase is over (the trainer has
-               taken the phase's batch) and back on when the next version's weights
-               are installed
-    trainer    its model and its optimizer state move off after the update, before
-               the next weights are published, and back on just before the next
-               update; its gradients are dropped, not moved (every optimizer step
-               computes them afresh)
-
-The two roles are separate processes, so a move onto the device waits until the other
-role has said that its move off ended (an `offloaded` message to trainer rank 0, whose
-`OffloadReports` keep them):
-
-    trainer onload of v     after every generator's offload of phase v: rank 0 waits for
-                            their reports, then releases the other trainer ranks with the
-                            batch it broadcasts to them
-    generator onload of v   after every trainer rank's offload for v: rank 0 moves off,
-                            waits for the other ranks' reports, then publishes v
-
-Every such wait has the running deadline (`runtime.timeout_s`; before the first weights,
-while ranks still start, `runtime.first_meeting_timeout_s`) and names the ranks that
-never reported. A restarted generator reports its offload like its predecessor
-would have (the report names the rank, not the process), so the trainer never waits
-for a report that cannot come. Three overlaps remain, all transient: the weights in
-flight during an NCCL broadcast (one copy of the model, buckets on both sides: not the
-optimizer state); a generator restarted during an update, which loads its model onto
-the device as it starts and moves it off again when it learns that the phase is over;
-and a simulator restarted during an update, whose redone requests bring the generator's
-model back on to serve them (it leaves again at its next turn).
-
-Each move is an `offload` / `onload` event of the rank's event log (what moved, its
-bytes, the seconds it took), so the boundary claim can be checked from a run. The
-moves are device-agnostic: on a CPU-only machine the device is the host and a move
-costs nothing, but it is still made and recorded.
+With `resources.layout: collocated` the generator and the trainer take turns on the same GPUs;
+their state moves between device and host only at phase boundaries, and a move onto the device
+waits (with the running deadline) for the other role's `offloaded` reports. Each move is an
+`offload` / `onload` event of the rank's event log.
+Details (who waits for whom, the transient overlaps): docs/runtime.md
 """
+
 from __future__ import annotations
 
 import time
@@ -47,8 +15,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
 import torch
 from torch import nn
 
+from vlaslurm.rundir import EventLog
 from vlaslurm.runtime import messages as msgs
-from vlaslurm.runtime.records import EventLog
 from vlaslurm.runtime.transport import Push
 
 HOST = torch.device("cpu")
@@ -95,10 +63,19 @@ class Offloader:
     is recorded. Disabled (every call returns at once) outside the collocated layout.
     """
 
-    def __init__(self, enabled: bool, device: torch.device, events: EventLog, clock: Callable[[], float],
-                 module: Optional[nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
-                 host: torch.device = HOST, drop_grads: bool = False, on_device: bool = True,
-                 report: Optional["OffloadReporter"] = None) -> None:
+    def __init__(
+        self,
+        enabled: bool,
+        device: torch.device,
+        events: EventLog,
+        clock: Callable[[], float],
+        module: Optional[nn.Module] = None,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        host: torch.device = HOST,
+        drop_grads: bool = False,
+        on_device: bool = True,
+        report: Optional[OffloadReporter] = None,
+    ) -> None:
         self.enabled, self.device, self.host = enabled, torch.device(device), torch.device(host)
         self.events, self.clock = events, clock
         self.module, self.optimizer, self.drop_grads = module, optimizer, drop_grads
@@ -134,8 +111,17 @@ class Offloader:
             moved["optimizer"] = move_optimizer(self.optimizer, target)
         if "cuda" in (self.device.type, target.type):
             torch.cuda.synchronize(self.device)  # copies are asynchronous: time their end, not their launch
-        self.events.add(kind, t0=t0, t1=self.clock(), v=version, what=sorted(moved), bytes=sum(moved.values()),
-                        parts=moved, s=time.perf_counter() - start, to=str(target))
+        self.events.add(
+            kind,
+            t0=t0,
+            t1=self.clock(),
+            v=version,
+            what=sorted(moved),
+            bytes=sum(moved.values()),
+            parts=moved,
+            s=time.perf_counter() - start,
+            to=str(target),
+        )
         self.events.flush()  # a handful per phase: keep them even if the rank dies
 
 
@@ -149,9 +135,9 @@ class OffloadReporter:
         self.push.connect(endpoint)
 
     @classmethod
-    def of(cls, ctx, role: str) -> Optional["OffloadReporter"]:
-        """The reporter of rank `ctx` of `role` (a RankContext); None outside the collocated layout."""
-        if not offloads(ctx.spec.resources.layout):
+    def of(cls, ctx, role: str, layout: str) -> Optional[OffloadReporter]:
+        """The reporter of rank `ctx` of `role` (a RankContext); None outside the collocated `layout`."""
+        if not offloads(layout):
             return None
         return cls(ctx.secret, ctx.member("trainer", 0).endpoint("segments"), role, ctx.rank)
 
@@ -179,8 +165,9 @@ class OffloadReports:
         got = self.by_version.get(version, set())
         return [rank for rank in ranks if (role, rank) not in got]
 
-    def wait(self, version: int, role: str, ranks: Iterable[int], timeout_s: float, pump: Callable[[], None],
-             waiter: str) -> None:
+    def wait(
+        self, version: int, role: str, ranks: Iterable[int], timeout_s: float, pump: Callable[[], None], waiter: str
+    ) -> None:
         """Call `pump` (which takes messages in) until every rank of `role` in `ranks` reported its offload
         of `version`; OffloadTimeout naming the missing ranks after `timeout_s`."""
         ranks = list(ranks)
@@ -192,6 +179,7 @@ class OffloadReports:
                     f"{names} did not say within {timeout_s:g} s (runtime.timeout_s; before the first weights "
                     f"runtime.first_meeting_timeout_s) that its state left the GPU for version {version}; {waiter} "
                     "waits for that so that the two roles never hold the shared GPUs at once (resources.layout: "
-                    "collocated). See the log of each rank named.")
+                    "collocated). See the log of each rank named."
+                )
             pump()
         self.by_version = {v: got for v, got in self.by_version.items() if v >= version}  # older: never asked again

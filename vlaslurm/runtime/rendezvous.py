@@ -1,32 +1,22 @@
 """File-based rendezvous of simulator, generator and trainer ranks.
 
-Each rank writes one JSON file ``<role>-<rank>.json`` into
-``<run_dir>/rendezvous/<job_key>/`` and polls the same directory until every
-expected rank has written its own. The job key includes Slurm's restart count,
-so a requeued job meets in a fresh directory and never reads stale files.
-
-Files are written atomically (temporary file, fsync, ``os.replace``) with mode
-0600, so a reader sees either nothing or a whole file. Readers open each
-expected file by name instead of listing the directory: on NFS, ``open()``
-revalidates (close-to-open consistency) while a cached listing may lag.
-
-Typical use::
-
-    rdzv = Rendezvous(rendezvous_dir(run_dir, job_key_from_env(os.environ, local_id)), expected)
-    rdzv.join(Member(role="generator", rank=0, host=socket.gethostname(), address=addr,
-                     ports={"obs": 5555}, pid=os.getpid(), node=os.environ.get("SLURMD_NODENAME", "")))
-    members = rdzv.wait(deadlines.first_s)
+Each rank writes ``<run_dir>/rendezvous/<job_key>/<role>-<rank>.json`` atomically (mode 0600)
+and polls for every expected rank's file by name; the job key includes Slurm's restart count, so
+a requeued job meets in a fresh directory.
+Details and typical use: docs/runtime.md
 """
+
 from __future__ import annotations
 
 import json
 import logging
 import os
-import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
+
+from vlaslurm.rundir import RunDir, write_atomic
 
 log = logging.getLogger("vlaslurm.rendezvous")
 
@@ -79,14 +69,16 @@ class Member:
     def endpoint(self, port_name: str) -> str:
         """``tcp://address:port`` of a named port; KeyError naming the ports it has."""
         if port_name not in self.ports:
-            raise KeyError(f"{self.role}[{self.rank}]@{self.host} publishes no port {port_name!r}; it has {sorted(self.ports)}")
+            raise KeyError(
+                f"{self.role}[{self.rank}]@{self.host} publishes no port {port_name!r}; it has {sorted(self.ports)}"
+            )
         return f"tcp://{self.address}:{self.ports[port_name]}"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "Member":
+    def from_json(cls, text: str) -> Member:
         data = json.loads(text)
         data["ports"] = {str(k): int(v) for k, v in data.get("ports", {}).items()}
         return cls(**data)
@@ -107,7 +99,7 @@ def job_key_from_env(environ: Mapping[str, str], local_id: str) -> str:
 
 def rendezvous_dir(run_dir: str | os.PathLike[str], job_key: str) -> Path:
     """``<run_dir>/rendezvous/<job_key>``."""
-    return Path(run_dir) / "rendezvous" / job_key
+    return RunDir(run_dir).rendezvous(job_key)
 
 
 def _check_expected(expected: Mapping[str, int]) -> None:
@@ -150,40 +142,6 @@ def expected_keys(expected: Mapping[str, int]) -> list[Key]:
     return [(role, rank) for role in ROLE_ORDER for rank in range(expected.get(role, 0))]
 
 
-def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """Write `data` to `path` so readers see the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        os.fchmod(fd, mode)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    fsync_quietly(path.parent)
-
-
-def fsync_quietly(path: Path) -> None:
-    """fsync a file or directory where the filesystem allows it."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some network filesystems refuse fsync on directories
-    finally:
-        os.close(fd)
-
-
 def _describe(keys: list[Key]) -> str:
     return ", ".join(f"{role}[{rank}]" for role, rank in keys) or "none"
 
@@ -195,8 +153,13 @@ def _describe_present(members: Mapping[Key, Member]) -> str:
 class Rendezvous:
     """One rendezvous directory and the ranks expected to meet in it."""
 
-    def __init__(self, directory: str | os.PathLike[str], expected: Mapping[str, int],
-                 poll_min_s: float = 0.01, poll_max_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        expected: Mapping[str, int],
+        poll_min_s: float = 0.01,
+        poll_max_s: float = 0.5,
+    ) -> None:
         _check_expected(expected)
         self.directory = Path(directory)
         self.expected = dict(expected)

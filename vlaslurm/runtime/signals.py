@@ -8,6 +8,7 @@ batch script turns into a requeue. Simulators and generators ignore USR2 (the
 trainer's stop announcement ends them) and keep TERM's default (they hold no
 state worth saving).
 """
+
 from __future__ import annotations
 
 import os

@@ -1,33 +1,12 @@
 """Authenticated, pickle-free messages over ZeroMQ.
 
-A `Message` is a kind, a small msgpack-able `meta` dict and named numpy arrays.
-
-Wire format (multipart)::
-
-    frame 0   msgpack {"v": 1, "h": <bin signed header>, "mac": <bin 32>}
-              signed header = msgpack {"kind": str, "meta": {...},
-                                       "arrays": [{"name", "dtype", "shape"}, ...]}
-    frame 1.. one raw, C-contiguous little-endian buffer per array, in header order
-
-The MAC is HMAC-SHA256, keyed by the run secret, over the signed header bytes
-and then, per array frame, its length (8 bytes, little endian) and its bytes.
-The signed fields travel as one byte string inside frame 0 so the receiver
-verifies exactly the bytes that were signed (re-encoding a decoded msgpack map
-is not guaranteed to be byte-identical) and parses nothing but the envelope
-before the MAC has been checked. Nothing is ever pickled; array dtypes are
-restricted to `ALLOWED_DTYPES`.
-
-A receiver drops any message that is malformed or fails the MAC, counts it in
-``socket.rejected`` and logs it with the peer (routing id or Peer-Address);
-``recv`` never raises for a bad message and keeps waiting until its deadline.
-
-Received arrays are read-only views of the ZeroMQ frame (no copy); call
-``.copy()`` before writing to them. Sending copies each array once into
-ZeroMQ: at observation sizes this measured faster than zero-copy sends, and
-the caller may reuse its buffers as soon as ``send`` returns. Arrays are never
-serialised or concatenated (one frame each). Sockets are not thread-safe: use each one
-from a single thread.
+A `Message` is a kind, a small msgpack-able `meta` dict and named numpy arrays, sent as a signed
+header frame (HMAC-SHA256, keyed by the run secret) and one raw frame per array. Receivers drop
+and count messages that are malformed or fail the MAC; received arrays are read-only views.
+Sockets are not thread-safe: use each one from a single thread.
+Details (wire format): docs/runtime.md
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,7 +15,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Generic, Iterable, Sequence, TypeVar
 
 import msgpack
 import numpy as np
@@ -47,8 +26,22 @@ from vlaslurm.runtime.netaddr import bind_address
 log = logging.getLogger("vlaslurm.transport")
 
 __all__ = [
-    "ALLOWED_DTYPES", "Message", "WireError", "TransportError", "SendTimeout", "PeerUnreachable",
-    "encode", "decode", "Router", "Dealer", "Push", "Pull", "Pub", "Sub", "Poller", "bind_address",
+    "ALLOWED_DTYPES",
+    "Message",
+    "WireError",
+    "TransportError",
+    "SendTimeout",
+    "PeerUnreachable",
+    "encode",
+    "decode",
+    "Router",
+    "Dealer",
+    "Push",
+    "Pull",
+    "Pub",
+    "Sub",
+    "Poller",
+    "bind_address",
 ]
 
 WIRE_VERSION = 1
@@ -56,8 +49,20 @@ MAC_BYTES = 32
 MIN_KEY_BYTES = 16
 ALLOWED_DTYPES = frozenset(
     np.dtype(name).newbyteorder("<").str
-    for name in ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-                 "float16", "float32", "float64")
+    for name in (
+        "bool",
+        "int8",
+        "uint8",
+        "int16",
+        "uint16",
+        "int32",
+        "uint32",
+        "int64",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+    )
 )
 """Little-endian dtype strings (``np.dtype.str``) that may travel; everything else is refused."""
 
@@ -104,7 +109,7 @@ def _wire_array(name: str, array: np.ndarray) -> np.ndarray:
 
 
 def _raw(array: np.ndarray) -> memoryview:
-    return memoryview(array.reshape(-1).view(np.uint8))
+    return array.reshape(-1).view(np.uint8).data  # the array's buffer, as memoryview(...) gives it
 
 
 def _mac(key: bytes, signed: bytes, frames: Iterable[memoryview]) -> bytes:
@@ -163,7 +168,11 @@ def decode(frames: Sequence[Any], key: bytes) -> Message:
         raise WireError("bad MAC (wrong run secret or tampered message)")
     header = msgpack.unpackb(signed, raw=False)
     specs = header.get("arrays")
-    if not isinstance(header.get("kind"), str) or not isinstance(header.get("meta"), dict) or not isinstance(specs, list):
+    if (
+        not isinstance(header.get("kind"), str)
+        or not isinstance(header.get("meta"), dict)
+        or not isinstance(specs, list)
+    ):
         raise WireError("signed header lacks kind/meta/arrays")
     if len(specs) != len(buffers) - 1:
         raise WireError(f"header lists {len(specs)} arrays but {len(buffers) - 1} frames arrived")
@@ -187,15 +196,25 @@ def _peer_address(frame: Any) -> str:
         return "?"
 
 
+_S = TypeVar("_S", bound="_Socket")
+
+
 class _Socket:
     """What every wrapper shares: options, bind/connect, signed send, verified receive."""
 
     socket_type: int = -1
     default_hwm: int = 1000
 
-    def __init__(self, key: bytes, *, name: str = "", hwm: int | None = None,
-                 linger_ms: int = DEFAULT_LINGER_MS, send_timeout_ms: int = DEFAULT_SEND_TIMEOUT_MS,
-                 context: zmq.Context | None = None) -> None:
+    def __init__(
+        self,
+        key: bytes,
+        *,
+        name: str = "",
+        hwm: int | None = None,
+        linger_ms: int = DEFAULT_LINGER_MS,
+        send_timeout_ms: int = DEFAULT_SEND_TIMEOUT_MS,
+        context: zmq.Context | None = None,
+    ) -> None:
         self.key = _check_key(key)
         self.name = name or type(self).__name__.lower()
         self.send_timeout_ms = send_timeout_ms
@@ -210,7 +229,7 @@ class _Socket:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, {self.endpoints})"
 
-    def __enter__(self) -> "_Socket":
+    def __enter__(self: _S) -> _S:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -277,7 +296,9 @@ class _Socket:
         self.rejected += 1
         if self.rejected <= _LOG_FIRST_REJECTS or self.rejected % _LOG_EVERY_REJECTS == 0:
             peer = frames[0].bytes.hex() if prefix_len else _peer_address(frames[-1])
-            log.warning("%s: dropped message from peer %s: %s (rejected so far: %d)", self.name, peer, err, self.rejected)
+            log.warning(
+                "%s: dropped message from peer %s: %s (rejected so far: %d)", self.name, peer, err, self.rejected
+            )
 
 
 class Router(_Socket):
@@ -298,7 +319,9 @@ class Router(_Socket):
             self._send([peer], message, timeout_ms)
         except zmq.ZMQError as err:
             if err.errno == zmq.EHOSTUNREACH:
-                raise PeerUnreachable(f"{self.name}: peer {peer!r} is not connected (it exited or never connected)") from None
+                raise PeerUnreachable(
+                    f"{self.name}: peer {peer!r} is not connected (it exited or never connected)"
+                ) from None
             raise
 
 
@@ -370,28 +393,28 @@ class Sub(_Socket):
         return None if got is None else got[1]
 
 
-class Poller:
+class Poller(Generic[_S]):
     """Waits on several wrapped sockets at once; ``poll`` returns those with input ready.
 
     A ready socket may hold only a rejected message, so call ``recv(0)`` and
     accept None.
     """
 
-    def __init__(self, *sockets: _Socket) -> None:
+    def __init__(self, *sockets: _S) -> None:
         self._poller = zmq.Poller()
-        self._by_zmq: dict[zmq.Socket, _Socket] = {}
+        self._by_zmq: dict[zmq.Socket, _S] = {}
         for sock in sockets:
             self.register(sock)
 
-    def register(self, sock: _Socket) -> None:
+    def register(self, sock: _S) -> None:
         self._poller.register(sock.socket, zmq.POLLIN)
         self._by_zmq[sock.socket] = sock
 
-    def unregister(self, sock: _Socket) -> None:
+    def unregister(self, sock: _S) -> None:
         self._poller.unregister(sock.socket)
         del self._by_zmq[sock.socket]
 
-    def poll(self, timeout_ms: int) -> list[_Socket]:
+    def poll(self, timeout_ms: int) -> list[_S]:
         return [self._by_zmq[s] for s, _ in self._poller.poll(timeout_ms)]
 
 
@@ -436,8 +459,10 @@ def _wrapped_round_trips(rounds: int, request: Message, reply: Message, key: byt
 
         def step() -> None:
             client.send(request)
-            peer, _ = server.recv(5000)
-            server.send(peer, reply)
+            got = server.recv(5000)
+            if got is None:
+                raise TimeoutError("transport round trip: the router got no request within 5 s")
+            server.send(got[0], reply)
             client.recv(5000)
 
         _timed(100, step)  # warm up
@@ -445,7 +470,7 @@ def _wrapped_round_trips(rounds: int, request: Message, reply: Message, key: byt
 
 
 def _raw_round_trips(rounds: int, image: np.ndarray) -> list[float]:
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     server, client = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
     try:
         server.bind("tcp://127.0.0.1:*")

@@ -1,43 +1,12 @@
 """Versioned weights from trainer[0] to every generator rank.
 
-Two backends behind one API, chosen by the spec's ``rollout.weight_sync``::
-
-    pub = make_publisher(spec.rollout.weight_sync, run_dir=run_dir, world=world, device=dev, timeout_s=t)
-    pub.publish(version, model.state_dict())          # trainer[0]
-
-    sub = make_subscriber(spec.rollout.weight_sync, run_dir=run_dir, world=world, device=dev, timeout_s=t)
-    while serving:                                    # every generator rank
-        got = sub.poll()                              # cheap when nothing is new
-        if got is not None:
-            version, state_dict = got
-            model.load_state_dict(state_dict)
-        ...serve one batch...
-
-``filesystem``: the trainer writes ``<run_dir>/weights/v<version:08d>.safetensors``
-to a temporary name, fsyncs and renames it, then atomically rewrites the
-``latest`` pointer and prunes all but the last `keep` files. A generator's
-`poll` reads ``latest`` (at most every `check_interval_s`) and loads the file
-it names, so it never sees a partial file. The trainer never waits.
-
-``nccl``: a process group of trainer[0] and all generators (NCCL on GPUs, gloo
-on CPU). Tensors are flattened into per-dtype buckets (32 MB by default) and
-broadcast from trainer[0] after a small header (magic, version, manifest
-size, bucket count, bucket size) and a manifest (names, dtypes, shapes), so
-generators need no template. A broadcast is a collective, so it runs as a
-handshake through the world's TCPStore:
-
-1. `publish` announces the version and waits up to `timeout_s` until every
-   generator has said it is ready. Generators notice the announcement in
-   `poll` between batches, so a slow generator delays the trainer by at most
-   one of its batches.
-2. If a generator is missing at the deadline, the trainer marks the round
-   aborted (ready generators raise `WeightSyncError` instead of hanging in the
-   collective) and raises `WeightSyncTimeout` naming the missing ranks.
-3. Otherwise it says "go" and all members run the broadcasts. Rounds are in
-   lock-step: a generator is never more than one version behind.
-
-`publish` takes full (unsharded) tensors on trainer[0]; gather FSDP shards first.
+Two backends behind one API (`make_publisher` / `make_subscriber`), chosen by
+``rollout.weight_sync``: ``filesystem`` (atomic safetensors files and a ``latest`` pointer; the
+trainer never waits) and ``nccl`` (bucketed broadcasts after a handshake through the TCPStore,
+with a timeout that names the missing generators). `publish` takes full (unsharded) tensors.
+Details and usage: docs/runtime.md
 """
+
 from __future__ import annotations
 
 import json
@@ -48,7 +17,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence, cast
 
 import msgpack
 import torch
@@ -56,8 +25,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from vlaslurm.rundir import RunDir, write_atomic
 from vlaslurm.runtime.dist import World, new_subgroup
-from vlaslurm.runtime.rendezvous import write_atomic
 
 log = logging.getLogger("vlaslurm.weights")
 
@@ -66,9 +35,21 @@ LATEST = "latest"
 DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
 _FILE_RE = re.compile(r"^v(\d{8,})\.safetensors$")
 _MAGIC = 0x564C4157  # "VLAW"
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 StateDict = dict[str, torch.Tensor]
 
@@ -95,7 +76,7 @@ class WeightSubscriber(Protocol):
 
 
 def weights_dir(run_dir: str | os.PathLike[str]) -> Path:
-    return Path(run_dir) / "weights"
+    return RunDir(run_dir).weights
 
 
 def _check_version(version: int, last: int) -> None:
@@ -103,8 +84,9 @@ def _check_version(version: int, last: int) -> None:
         raise ValueError(f"weight versions must increase: publishing {version} after {last}")
 
 
-def wait_for_version(sub: WeightSubscriber, version: int, timeout_s: float,
-                     interval_s: float = 0.01) -> tuple[int, StateDict]:
+def wait_for_version(
+    sub: WeightSubscriber, version: int, timeout_s: float, interval_s: float = 0.01
+) -> tuple[int, StateDict]:
     """Poll until `sub` delivers `version` or newer (sync mode); WeightSyncTimeout otherwise."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -190,8 +172,9 @@ def _open_safetensors(path: Path, device: torch.device) -> Any:
 class FilesystemSubscriber:
     """Loads the file ``latest`` names when its version is newer than ours."""
 
-    def __init__(self, directory: str | os.PathLike[str], device: torch.device | str = "cpu",
-                 check_interval_s: float = 0.2) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str], device: torch.device | str = "cpu", check_interval_s: float = 0.2
+    ) -> None:
         self.directory = Path(directory)
         self.device = torch.device(device)
         self.check_interval_s = check_interval_s
@@ -225,7 +208,9 @@ class FilesystemSubscriber:
         with _open_safetensors(path, self.device) as f:
             metadata = f.metadata() or {}
             if metadata.get("version") != str(version):
-                raise WeightSyncError(f"{path} is tagged version {metadata.get('version')!r}, but {LATEST} says {version}")
+                raise WeightSyncError(
+                    f"{path} is tagged version {metadata.get('version')!r}, but {LATEST} says {version}"
+                )
             names = json.loads(metadata["names"]) if "names" in metadata else list(f.keys())
             state_dict = {key: f.get_tensor(key) for key in names}
         self.version = version
@@ -281,11 +266,12 @@ def plan_buckets(manifest: Manifest, bucket_bytes: int) -> list[Bucket]:
     compute the same plan from the same manifest.
     """
     by_dtype: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
-    for name, dtype, shape in manifest:
-        by_dtype.setdefault(dtype, []).append((name, tuple(shape)))
+    for name, dtype_name, shape in manifest:
+        by_dtype.setdefault(dtype_name, []).append((name, tuple(shape)))
     buckets = []
     for dtype_name, entries in by_dtype.items():
-        dtype, current, size = _DTYPES[dtype_name], [], 0
+        dtype, size = _DTYPES[dtype_name], 0
+        current: list[tuple[str, tuple[int, ...]]] = []
         for name, shape in entries:
             nbytes = int(torch.Size(shape).numel()) * _itemsize(dtype)
             if current and size + nbytes > bucket_bytes:
@@ -323,9 +309,17 @@ def _prefixed(store: dist.Store) -> dist.Store:
 class BroadcastPublisher:
     """trainer[0]'s side of the ``nccl`` weight sync."""
 
-    def __init__(self, store: dist.Store, group: dist.ProcessGroup, src: int, receivers: Sequence[int],
-                 device: torch.device | str, timeout_s: float, names: Mapping[int, str] | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        group: dist.ProcessGroup,
+        src: int,
+        receivers: Sequence[int],
+        device: torch.device | str,
+        timeout_s: float,
+        names: Mapping[int, str] | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
         self.store = _prefixed(store)
         self.group = group
         self.src = src
@@ -343,7 +337,7 @@ class BroadcastPublisher:
         manifest = manifest_of(state_dict)
         self._announced = int(self.store.add(_Keys.ANNOUNCE, version + 1 - self._announced))
         self._await_ready(version, self.timeout_s if timeout_s is None else timeout_s)
-        self.store.set(_Keys.go(version), b"go")
+        self.store.set(_Keys.go(version), cast(str, b"go"))  # c10d takes bytes; torch's stubs say str
         self._broadcast(version, manifest, state_dict)
         self._forget(version)
         self.version = version
@@ -359,7 +353,7 @@ class BroadcastPublisher:
         missing = [r for r, k in zip(self.receivers, keys) if not self.store.check([k])]
         if not missing:
             return
-        self.store.set(_Keys.go(version), b"abort")
+        self.store.set(_Keys.go(version), cast(str, b"abort"))
         who = ", ".join(self.names.get(r, f"rank {r}") for r in missing)
         raise WeightSyncTimeout(
             f"weight broadcast v{version}: {who} (global ranks {missing}) did not join within {timeout_s:g} s; "
@@ -371,7 +365,8 @@ class BroadcastPublisher:
         buckets = plan_buckets(manifest, self.bucket_bytes)
         header = torch.tensor([_MAGIC, version, len(packed), len(buckets), self.bucket_bytes], dtype=torch.int64)
         dist.broadcast(header.to(self.device), self.src, group=self.group)
-        dist.broadcast(torch.frombuffer(bytearray(packed), dtype=torch.uint8).to(self.device), self.src, group=self.group)
+        manifest_bytes = torch.frombuffer(bytearray(packed), dtype=torch.uint8).to(self.device)
+        dist.broadcast(manifest_bytes, self.src, group=self.group)
         for bucket in buckets:
             flat = torch.cat([state_dict[n].detach().reshape(-1).to(self.device) for n in bucket.names])
             dist.broadcast(flat.view(torch.uint8), self.src, group=self.group)
@@ -389,8 +384,16 @@ class BroadcastPublisher:
 class BroadcastSubscriber:
     """A generator's side of the ``nccl`` weight sync."""
 
-    def __init__(self, store: dist.Store, group: dist.ProcessGroup, src: int, rank: int,
-                 device: torch.device | str, timeout_s: float, check_interval_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        group: dist.ProcessGroup,
+        src: int,
+        rank: int,
+        device: torch.device | str,
+        timeout_s: float,
+        check_interval_s: float = 0.0,
+    ) -> None:
         self.store = _prefixed(store)
         self.group = group
         self.src = src
@@ -418,14 +421,18 @@ class BroadcastSubscriber:
 
     def receive(self, version: int) -> StateDict:
         """Say ready for `version`, wait for go (deadline), receive every bucket."""
-        self.store.set(_Keys.ready(version, self.rank), b"1")
+        self.store.set(_Keys.ready(version, self.rank), cast(str, b"1"))  # c10d takes bytes; the stubs say str
         go_key = _Keys.go(version)
         try:
             self.store.wait([go_key], timedelta(seconds=self.timeout_s))
         except (RuntimeError, TimeoutError) as err:
-            raise WeightSyncTimeout(f"rank {self.rank}: trainer never started broadcast v{version} within {self.timeout_s:g} s") from err
+            raise WeightSyncTimeout(
+                f"rank {self.rank}: trainer never started broadcast v{version} within {self.timeout_s:g} s"
+            ) from err
         if self.store.get(go_key) != b"go":
-            raise WeightSyncError(f"rank {self.rank}: trainer aborted weight broadcast v{version} (another generator was missing)")
+            raise WeightSyncError(
+                f"rank {self.rank}: trainer aborted weight broadcast v{version} (another generator was missing)"
+            )
         state_dict = self._receive_buckets(version)
         self.version = version
         log.info("received weights v%d by broadcast", version)
@@ -475,9 +482,16 @@ def _sync_group(world: World, device: torch.device, timeout_s: float) -> dist.Pr
     return new_subgroup([src, *receivers], backend=backend, timeout_s=timeout_s)
 
 
-def make_publisher(method: str, *, run_dir: str | os.PathLike[str], world: World | None = None,
-                   device: torch.device | str = "cpu", timeout_s: float = 120.0, keep: int = 3,
-                   bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> WeightPublisher:
+def make_publisher(
+    method: str,
+    *,
+    run_dir: str | os.PathLike[str],
+    world: World | None = None,
+    device: torch.device | str = "cpu",
+    timeout_s: float = 120.0,
+    keep: int = 3,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> WeightPublisher:
     """trainer[0]'s publisher for `method` (``nccl`` needs `world`; creates the sync group)."""
     _check_method(method)
     if method == "filesystem":
@@ -492,9 +506,15 @@ def make_publisher(method: str, *, run_dir: str | os.PathLike[str], world: World
     return BroadcastPublisher(world.store, group, src, receivers, device, timeout_s, names, bucket_bytes)
 
 
-def make_subscriber(method: str, *, run_dir: str | os.PathLike[str], world: World | None = None,
-                    device: torch.device | str = "cpu", timeout_s: float = 120.0,
-                    check_interval_s: float | None = None) -> WeightSubscriber:
+def make_subscriber(
+    method: str,
+    *,
+    run_dir: str | os.PathLike[str],
+    world: World | None = None,
+    device: torch.device | str = "cpu",
+    timeout_s: float = 120.0,
+    check_interval_s: float | None = None,
+) -> WeightSubscriber:
     """A generator's subscriber for `method` (``nccl`` needs `world`; creates the sync group)."""
     _check_method(method)
     device = torch.device(device)
@@ -510,5 +530,7 @@ def make_subscriber(method: str, *, run_dir: str | os.PathLike[str], world: Worl
 
 def _need_world(world: World | None) -> World:
     if world is None:
-        raise ValueError("rollout.weight_sync: nccl needs the distributed world (dist.init_world) on trainer[0] and generators")
+        raise ValueError(
+            "rollout.weight_sync: nccl needs the distributed world (dist.init_world) on trainer[0] and generators"
+        )
     return world

@@ -9,11 +9,11 @@ starts it again when it dies, up to max_restarts times; each restart is a line i
 `<run>/restarts.jsonl` and a header in the rank's log. The child learns which
 incarnation it is from VLASLURM_WORKER_RESTART (see `signals.incarnation`).
 """
+
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import signal
 import socket
@@ -25,11 +25,13 @@ from pathlib import Path
 from typing import List, Optional
 
 from vlaslurm.log import get_logger
+from vlaslurm.rundir import RunDir, append_restart
 
+# Each role: its module (entry point `run(ctx, cfg)`) and its config class, built here `from_spec`.
 ROLE_MODULES = {
-    "simulator": "vlaslurm.runtime.roles.simulator",
-    "generator": "vlaslurm.runtime.roles.generator",
-    "trainer": "vlaslurm.runtime.roles.trainer",
+    "simulator": ("vlaslurm.runtime.roles.simulator", "SimulatorConfig"),
+    "generator": ("vlaslurm.runtime.roles.generator", "GeneratorConfig"),
+    "trainer": ("vlaslurm.runtime.roles.trainer", "TrainerConfig"),
 }
 log = get_logger("vlaslurm.worker")
 
@@ -40,22 +42,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--probe", action="store_true", help="run the connectivity probe instead of the role")
     parser.add_argument("--absent", default="", help="(tests) roles that exit before meeting, comma-separated")
-    parser.add_argument("--rank-log", action="store_true",
-                        help="append this rank's output to <run-dir>/logs/<role>/<rank>.log (srun's %%t is not the "
-                             "rank in a step over several components)")
+    parser.add_argument(
+        "--rank-log",
+        action="store_true",
+        help="append this rank's output to <run-dir>/logs/<role>/<rank>.log (srun's %%t is not the "
+        "rank in a step over several components)",
+    )
     args = parser.parse_args(argv)
-    from vlaslurm.runtime.context import make_context, rank_from_env
-
-    from vlaslurm.runtime.signals import RESTART_ENV
-
     from vlaslurm.runtime import signals
+    from vlaslurm.runtime.context import make_context, rank_from_env, run_spec
+    from vlaslurm.runtime.signals import RESTART_ENV
 
     # At once, before the slow imports: USR2 (Slurm's warning before the time limit) must never kill a
     # rank; the trainer also takes TERM as "checkpoint and stop" (see signals.py).
     signals.install(drain_on_term=args.role == "trainer")
     rank = rank_from_env()
     if args.rank_log:
-        append_output_to(args.run_dir / "logs" / args.role / f"{rank}.log")
+        append_output_to(RunDir(args.run_dir).log(args.role, rank))
     log_start_line(args.role, rank)
     if not args.probe and RESTART_ENV not in os.environ:
         restarts = _max_restarts(args.run_dir, args.role)
@@ -66,13 +69,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         log.warning("%s told to stay absent (test hook); exiting without joining", args.role)
         return 0
     try:
-        ctx = make_context(args.role, args.run_dir)
+        spec = run_spec(args.run_dir)
+        ctx = make_context(args.role, args.run_dir, spec.runtime)
         if args.probe:
             from vlaslurm.runtime import probe
 
             return probe.run(ctx)
-        role = importlib.import_module(ROLE_MODULES[args.role])
-        return role.run(ctx)
+        module, config = ROLE_MODULES[args.role]
+        role = importlib.import_module(module)
+        return role.run(ctx, getattr(role, config).from_spec(spec))
     except Exception as exc:  # noqa: BLE001 - the last word of a rank must reach its log
         log.error("%s failed: %s\n%s", args.role, exc, traceback.format_exc())
         return 1
@@ -80,17 +85,19 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def log_start_line(role: str, rank: int) -> None:
     """One line per process start, so an appended log shows where each attempt and restart begins."""
-    sys.stderr.write(f"==== {role}[{rank}] pid {os.getpid()} on {socket.gethostname()} at "
-                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}: job key {os.environ.get('VLASLURM_JOB_KEY', '-')}, "
-                     f"SLURM_RESTART_COUNT {os.environ.get('SLURM_RESTART_COUNT', '0')}, "
-                     f"worker restart {os.environ.get('VLASLURM_WORKER_RESTART', '0')} ====\n")
+    sys.stderr.write(
+        f"==== {role}[{rank}] pid {os.getpid()} on {socket.gethostname()} at "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')}: job key {os.environ.get('VLASLURM_JOB_KEY', '-')}, "
+        f"SLURM_RESTART_COUNT {os.environ.get('SLURM_RESTART_COUNT', '0')}, "
+        f"worker restart {os.environ.get('VLASLURM_WORKER_RESTART', '0')} ====\n"
+    )
     sys.stderr.flush()
 
 
 def _max_restarts(run_dir: Path, role: str) -> int:
     from vlaslurm.spec import load_spec
 
-    return load_spec(run_dir / "spec.yaml").spec.role_resources(role).max_restarts
+    return load_spec(RunDir(run_dir).spec).spec.role_resources(role).max_restarts
 
 
 def supervise(argv: List[str], role: str, rank: int, max_restarts: int, run_dir: Path) -> int:
@@ -111,23 +118,44 @@ def supervise(argv: List[str], role: str, rank: int, max_restarts: int, run_dir:
     restarts = 0
     while True:
         started = time.time()
-        child = subprocess.Popen([sys.executable, "-m", "vlaslurm.runtime.worker", *argv],
-                                 env={**os.environ, RESTART_ENV: str(restarts)})
+        child = subprocess.Popen(
+            [sys.executable, "-m", "vlaslurm.runtime.worker", *argv], env={**os.environ, RESTART_ENV: str(restarts)}
+        )
         code = child.wait()
         if code in (0, REQUEUE_EXIT) or stopping:
             return code if code >= 0 else 128 - code
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         if restarts >= max_restarts:
-            log.error("%s[%d] died (%s) and has no restarts left (resources.%s.max_restarts=%d)", role, rank, how,
-                      role, max_restarts)
+            log.error(
+                "%s[%d] died (%s) and has no restarts left (resources.%s.max_restarts=%d)",
+                role,
+                rank,
+                how,
+                role,
+                max_restarts,
+            )
             return code if code >= 0 else 128 - code
         restarts += 1
-        log.warning("%s[%d] died (%s) after %.1f s; restart %d of %d", role, rank, how, time.time() - started,
-                    restarts, max_restarts)
-        line = json.dumps({"role": role, "rank": rank, "restart": restarts, "exit_code": code, "time": time.time(),
-                           "job_key": os.environ.get("VLASLURM_JOB_KEY", "")})
-        with open(run_dir / "restarts.jsonl", "a") as handle:
-            handle.write(line + "\n")
+        log.warning(
+            "%s[%d] died (%s) after %.1f s; restart %d of %d",
+            role,
+            rank,
+            how,
+            time.time() - started,
+            restarts,
+            max_restarts,
+        )
+        append_restart(
+            run_dir,
+            {
+                "role": role,
+                "rank": rank,
+                "restart": restarts,
+                "exit_code": code,
+                "time": time.time(),
+                "job_key": os.environ.get("VLASLURM_JOB_KEY", ""),
+            },
+        )
 
 
 def append_output_to(path: Path) -> None:

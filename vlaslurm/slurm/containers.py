@@ -1,21 +1,11 @@
 """Containers per role: how one srun step starts its ranks inside pyxis/enroot or Apptainer.
 
-A role with `resources.<role>.container.image` runs each rank in that image:
-
-- pyxis/enroot: `srun ... --container-image=IMAGE --container-mounts=SRC:DST,... <command>`
-  (the SPANK plugin turns the step into a container; every part of a colon-form step
-  gets the same flags);
-- Apptainer: `srun ... apptainer exec --nv --bind SRC[:DST] ... IMAGE <command>`.
-
-Mounted at their own paths: the runs root (run directory, rendezvous, MLflow's SQLite
-file), the code (the checkout vlaslurm runs from, put first on PYTHONPATH so the image
-needs only the dependencies), the site's scratch folder, and the role's own mounts.
-The worker entry runs inside the container, so the headless-rendering preflight and
-every import see the image's drivers and libraries, not the host's.
-
-Neither runtime exists on the machines that test vlaslurm: the rendered steps are
-checked by golden files (tests/test_containers.py), not by running them.
+A role with `resources.<role>.container.image` runs each rank in that image, with the runs root,
+the code (first on PYTHONPATH), the site's scratch folder and the role's own mounts at their own
+paths. Neither runtime exists where vlaslurm is tested: golden files check the rendered steps.
+Details: docs/slurm.md
 """
+
 from __future__ import annotations
 
 import shlex
@@ -53,8 +43,9 @@ def runtime_of(loaded: LoadedSpec, container: ContainerConfig) -> str:
     return container.runtime or site or DEFAULT_RUNTIME
 
 
-def step_launch(loaded: LoadedSpec, role: str, run_dir: Path, job_id_suffix: bool,
-                code_dir: Optional[Path] = None) -> StepLaunch:
+def step_launch(
+    loaded: LoadedSpec, role: str, run_dir: Path, job_id_suffix: bool, code_dir: Optional[Path] = None
+) -> StepLaunch:
     """How `role`'s ranks start: on the host (no image) or in its container.
 
     With the standard layout (`<root>/<name>/<stamp>-<jobid>`, `job_id_suffix`) the runs root is mounted
@@ -78,8 +69,11 @@ def step_launch(loaded: LoadedSpec, role: str, run_dir: Path, job_id_suffix: boo
     options = "".join(f" {shlex.quote(o)}" for o in container.options)
     if runtime == "pyxis":
         run_dir_mount = "" if static_mounts else f'{RUN_DIR_VAR[:-1]}:$RUN_DIR",'
-        return StepLaunch(f" --container-image={shlex.quote(container.image)} "
-                          f"--container-mounts={run_dir_mount}{shlex.quote(','.join(mounts))}{options}", python)
+        return StepLaunch(
+            f" --container-image={shlex.quote(container.image)} "
+            f"--container-mounts={run_dir_mount}{shlex.quote(','.join(mounts))}{options}",
+            python,
+        )
     binds = ([] if static_mounts else [f"--bind {RUN_DIR_VAR}"]) + [f"--bind {shlex.quote(m)}" for m in mounts]
     return StepLaunch("", f"apptainer exec --nv {' '.join(binds)}{options} {shlex.quote(container.image)} {python}")
 
@@ -91,13 +85,14 @@ def _full_mount(mount: str) -> str:
 
 def _check_mount_path(path: str) -> None:
     if any(c in path for c in ",:\n"):
-        raise ContainerError(f"{path!r} contains ',', ':' or a newline, which container runtimes read as list "
-                             "separators; choose another --runs-root or checkout folder")
+        raise ContainerError(
+            f"{path!r} contains ',', ':' or a newline, which container runtimes read as list "
+            "separators; choose another --runs-root or checkout folder"
+        )
 
 
 def _unique(items: List[str]) -> List[str]:
-    seen: set = set()
-    return [i for i in items if not (i in seen or seen.add(i))]
+    return list(dict.fromkeys(items))
 
 
 def describe(launch: StepLaunch) -> Optional[str]:

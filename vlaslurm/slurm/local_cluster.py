@@ -1,150 +1,12 @@
 """A private, single-host Slurm cluster for tests and local development.
 
-Everything lives under one root folder (default ``$VLASLURM_LOCAL_SLURM`` or
-``/tmp/vlaslurm-local-slurm``): slurm.conf, gres.conf, a munge key and socket,
-state/spool dirs, logs, pid files and fake GPU device nodes. Nothing under
-/etc/slurm, /etc/munge or /run/munge is read or written, and no other Slurm or
-munge daemon on the machine is touched: ``stop`` kills only the pids named in
-this root's pid files, and only after checking their command line.
+Everything (config, munge key and socket, state, logs, pid files, fake GPU devices) lives under
+one root folder (``$VLASLURM_LOCAL_SLURM`` or ``/tmp/vlaslurm-local-slurm``); nothing of the
+machine's own Slurm or munge is read, written or stopped.
 
-Usage::
+    python -m vlaslurm.slurm.local_cluster start|env|stop [--root DIR] [--nodes 4 --gpus 8 --cpus 32]
 
-    python -m vlaslurm.slurm.local_cluster start [--root DIR] [--nodes 4 --gpus 8 --cpus 32]
-    eval "$(python -m vlaslurm.slurm.local_cluster env)"
-    sbatch job.sh; squeue; sinfo
-    python -m vlaslurm.slurm.local_cluster stop
-
-Default shape: 4 nodes ``n[0-3]`` x (32 CPUs, 8 fake GPUs, 256000 MB, feature
-``h100``), partitions ``gpu`` (default), ``cpu``, ``gpu-inference`` all spanning
-every node: the specs in ``experiments/`` are accepted unmodified.
-Ports: slurmctld 16817, slurmd of node i 16818+i (``--port`` or ``$VLASLURM_LOCAL_SLURM_PORT``
-moves the base). Two clusters on one host (e.g. two test runs at once) need their own root AND
-port: ``VLASLURM_LOCAL_SLURM=/tmp/other VLASLURM_LOCAL_SLURM_PORT=17817``.
-
-Facts (slurm-wlm 22.05.8, Debian 12, observed on this cluster)
-----------------------------------------------------------------
-Cluster mechanics:
-
-* Several slurmd on one host: ``slurmd -N nX``; each node has
-  ``NodeHostname=<hostname> NodeAddr=127.0.0.1 Port=<own port>``.
-* ``SlurmdParameters=config_overrides`` lets nodes declare more CPUs, memory
-  and GPUs than the machine has.
-* GPU GRES needs ``File=`` pointing at character devices; ``mknod PATH c 1 3``
-  (same numbers as /dev/null) works with ``AutoDetect=off``. Each node gets
-  its own ``dev/<node>/nvidia<i>`` files.
-* Heterogeneous jobs are only started by the backfill scheduler, so
-  ``SchedulerParameters=bf_interval=1,sched_interval=2`` keeps them snappy
-  (sched_interval=2 clears a requeued job's ``BeginTime`` reason promptly).
-* Only the leader of a hetjob can be requeued; a requeued job waits
-  ``cred_expire`` seconds before it may start again, hence
-  ``AuthInfo=socket=<our munge socket>,cred_expire=10``.
-* ``PlugStackConfig`` points at an empty private file so the machine's
-  /etc/slurm/plugstack.conf (SPANK plugins) is never loaded.
-* ``SelectTypeParameters=CR_Core_Memory`` (like most real sites) so memory is a
-  consumable resource and step ``--mem`` behaves as on a real cluster;
-  ``DefMemPerCPU`` = mem/cpus so a job without ``--mem`` does not grab a node.
-
-* This VM's PID 1 does not reap orphans: daemons we stop stay as zombies, so
-  liveness checks treat state ``Z`` as dead.
-
-srun/sbatch facts for the hetjob compiler (all observed here, task/none):
-
-1. Parallel steps inside one component. Component 0 = ``--nodes=1 --ntasks=2
-   --cpus-per-task=4 --gres=gpu:8 --mem=64G``. Two background steps
-   ``srun --het-group=0 --exact --ntasks=1 --cpus-per-task=4 --mem=32G
-   --gres=gpu:6 ...`` and ``... --gres=gpu:2 ...`` run concurrently and get
-   disjoint GPUs: CUDA_VISIBLE_DEVICES=SLURM_STEP_GPUS=0,1,2,3,4,5 and 6,7
-   (global indices, not renumbered; whichever step is created first gets the
-   low ones). ``--gpus=6``/``--gpus=2`` behaves the same as ``--gres=gpu:N``.
-   A step must name both CPUs and memory or it swallows the component:
-   without ``--mem`` it takes all of the job's memory on the node, without
-   ``--cpus-per-task`` (and without ``--exact``) it takes all CPUs; the second
-   step then prints ``srun: Job N step creation temporarily disabled,
-   retrying (Requested nodes are busy)`` and only starts when the first ends.
-   Working memory flags: ``--mem=<MB>``, ``--mem-per-cpu=<MB>``, or
-   ``--mem=0`` (step does not reserve memory; steps still run concurrently).
-   ``--cpus-per-task`` MUST be passed: inside a hetjob SLURM_CPUS_PER_TASK is
-   not exported (only SLURM_CPUS_PER_TASK_HET_GROUP_<k>), so a step defaults
-   to 1 CPU per task. CPUs and GPUs are accounted: 6+4 GPUs of 8, or 8+2 CPUs
-   of 8, serialise with the "temporarily disabled" message.
-2. ``srun --overlap --het-group=0,1,2 ...`` started immediately beside the
-   running steps. It launches every component's full task count (2+1+2 = 5
-   tasks) and each task sees ALL GPUs of its component on that node
-   (n0: 0-7 although 0-5 were held by another step; n1: 0,1; CPU-only
-   component: CUDA_VISIBLE_DEVICES unset/empty). A plain ``srun`` without
-   ``--het-group`` inside a hetjob runs only het group 0.
-3. CUDA_VISIBLE_DEVICES, GPU_DEVICE_ORDINAL, SLURM_STEP_GPUS, SLURM_GPUS_ON_NODE
-   are set by task/none with the fake devices; the batch shell sees
-   CUDA_VISIBLE_DEVICES and SLURM_JOB_GPUS of component 0. In every step of a
-   hetjob: SLURM_JOB_ID = SLURM_JOBID = the LEADER id (also for
-   ``--het-group=1``), SLURM_HET_SIZE=3 (and SLURM_PACK_SIZE), per component
-   SLURM_JOB_ID_HET_GROUP_<k> (= leader+k), SLURM_JOB_NODELIST_HET_GROUP_<k>,
-   SLURM_NTASKS_HET_GROUP_<k>, SLURM_MEM_PER_NODE_HET_GROUP_<k>, ... (plus
-   *_PACK_GROUP_<k> duplicates). Per task: SLURMD_NODENAME, SLURM_PROCID
-   (global across the groups of the step), SLURM_NODEID, SLURM_LOCALID,
-   SLURM_STEP_ID/SLURM_STEPID, SLURM_STEP_NODELIST. NOT set in steps:
-   SLURM_HET_JOB_ID, SLURM_HET_JOB_OFFSET, SLURM_CPUS_PER_TASK. No variable
-   names a task's het group, and SLURM_JOB_PARTITION / SLURM_MEM_PER_NODE in
-   a step are unreliable (inherited from the batch shell or another group).
-   To tag components use the colon form, which maps the i-th part to het
-   group i (or to an explicit ``--het-group``) and takes per-part options:
-   ``srun --het-group=0 --export=ALL,VLA_C=a cmd : --het-group=2
-   --export=ALL,VLA_C=c cmd`` (one step id for all parts).
-4. ``sbatch --test-only het.sh`` works on hetjob scripts: exit 0 and ONE line
-   on stderr ``sbatch: Job 17 to start at 2026-11-30T11:46:55 using 3
-   processors on n0`` (processors summed over components, node list unreliable).
-   Impossible component: exit 1, stderr ``allocation failure: Requested node
-   configuration is not available``; bad partition: exit 1, ``sbatch: error:
-   invalid partition specified: nosuch`` + ``allocation failure: Invalid
-   partition name specified``. Components are checked ONE BY ONE: five
-   components of 8 GPUs each on 4 nodes passes --test-only, and the real job
-   then pends forever with Reason=Resources. --test-only consumes job ids.
-5. Trivial 3-component hetjob: sbatch -> COMPLETED in ~0.7 s (PENDING ->
-   RUNNING within 0.5 s). ``sbatch --parsable`` prints the leader id. squeue
-   rows are ``<leader>+<offset>`` (e.g. ``20+0``, ``20+1``); finished jobs
-   leave squeue but stay in ``scontrol show job`` (and ``squeue -t all``) for
-   MinJobAge (300 s here). ``scontrol -o show job <leader>`` prints one line
-   per component with HetJobId, HetJobOffset, HetJobIdSet=20-22, JobState
-   (COMPLETED / FAILED Reason=NonZeroExitCode ExitCode=3:0 / CANCELLED).
-   The batch script's exit code decides the state of ALL components. No sacct
-   (accounting_storage/none).
-6. ``scontrol requeue <leader>`` works (rc 0, requeues all components;
-   on a non-leader id: rc 1 "Job not heterogeneous job leader"). The job goes
-   COMPLETING -> PENDING Reason=BeginTime with EligibleTime = requeue + 11 s
-   (cred_expire+1), but then idles until something changes the job/node
-   state (backfill skips cycles with no change): observed restarts after
-   23-60 s. ``scontrol update JobId=<leader> StartTime=now`` right after the
-   requeue restarts it in ~2 s (slurmd logs "reissued job credential").
-   The restarted batch script sees SLURM_RESTART_COUNT=1, 2, ... (unset on
-   the first run); same job ids; ``scontrol show job`` Restarts=N. Requeue of
-   a job that is still pending: "Job is pending execution".
-7. ``--signal=B:USR2@40`` with ``--time=1`` reaches the batch shell (bash
-   ``trap`` runs; a ``wait`` on a background srun returns 140 = 128+12).
-   slurmctld checks time limits only every 30 s, so the signal arrives up to
-   ~30 s late (here 34 s before the limit instead of 40) and the time-limit
-   kill also comes up to 30 s late (TERM to the shell, then SIGKILL after
-   KillWait=10 s). Give @N a margin of >= 60 s (Slurm documents up to 60 s
-   of signal-timing slack).
-8. A step over several components with per-part counts uses the colon form
-   ``srun --het-group=0 --exact --ntasks=2 ... cmd : --het-group=1 --exact
-   --ntasks=6 ... cmd`` (each part its own --nodes/--ntasks/--gres; they run,
-   with SLURM_PROCID 0..7 global over the parts). In such a step the
-   ``--output`` pattern ``%t`` is NOT the rank: part 1's tasks got %t = 3..8
-   for PROCID 2..7 (offset by one per earlier part), so per-rank log names
-   must come from SLURM_PROCID (the worker's ``--rank-log``). The single form
-   ``srun --het-group=0,1 --ntasks-per-node=2`` ignored the count and ran each
-   component's own task count (1 each here).
-9. An ``--overlap`` step may share CPUs with other steps but not ask for more
-   than the component holds: 2 tasks x 1 CPU on a 1-CPU component fails at once
-   with ``srun: error: Unable to create step for job N: More processors
-   requested than permitted``.
-10. Odd paths: ``#SBATCH --output="<dir with spaces, $(...), backticks, ;, '>/..."``
-   is taken literally by sbatch (no shell); ``%`` must be written ``%%`` in
-   sbatch and srun output patterns.
-11. A job of ONE component is not a hetjob: ``srun --het-group=0`` in it fails
-   with ``srun: error: No directives to start application on any available
-   hetjob components``; its steps must omit --het-group (``sbatch --test-only``
-   does not catch this, it never runs srun).
+Details, and the Slurm 22.05 behaviour observed on it: docs/local-cluster.md
 """
 
 from __future__ import annotations
@@ -205,8 +67,7 @@ class ClusterShape:
         if not self.partitions:
             raise ValueError("at least one partition is required")
         if self.default_partition not in self.partitions:
-            raise ValueError(
-                f"default partition {self.default_partition!r} not in {self.partitions}")
+            raise ValueError(f"default partition {self.default_partition!r} not in {self.partitions}")
         if not (1024 <= self.base_port and self.base_port + self.nodes < 65536):
             raise ValueError(f"base_port {self.base_port} out of range")
 
@@ -215,7 +76,7 @@ class ClusterShape:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "ClusterShape":
+    def from_json(cls, text: str) -> ClusterShape:
         """Inverse of :meth:`to_json`."""
         data = json.loads(text)
         data["partitions"] = tuple(data["partitions"])
@@ -254,21 +115,22 @@ class ClusterStatus:
     @property
     def running(self) -> bool:
         """True when munged, slurmctld and every slurmd are alive."""
-        return self.configured and bool(self.daemons) and all(
-            pid is not None for pid in self.daemons.values())
+        return self.configured and bool(self.daemons) and all(pid is not None for pid in self.daemons.values())
 
     @property
     def ready(self) -> bool:
         """True when running and every node is usable (idle/mixed/allocated)."""
-        return self.running and bool(self.node_states) and all(
-            _node_usable(s) for s in self.node_states.values())
+        return self.running and bool(self.node_states) and all(_node_usable(s) for s in self.node_states.values())
 
     def describe(self) -> str:
         """Human-readable multi-line summary."""
-        lines = [f"root: {self.root}", f"configured: {self.configured}",
-                 f"running: {self.running}", f"ready: {self.ready}"]
-        lines += [f"  {name}: {'pid ' + str(pid) if pid else 'not running'}"
-                  for name, pid in self.daemons.items()]
+        lines = [
+            f"root: {self.root}",
+            f"configured: {self.configured}",
+            f"running: {self.running}",
+            f"ready: {self.ready}",
+        ]
+        lines += [f"  {name}: {'pid ' + str(pid) if pid else 'not running'}" for name, pid in self.daemons.items()]
         lines += [f"  node {n}: {s}" for n, s in self.node_states.items()]
         return "\n".join(lines)
 
@@ -287,33 +149,60 @@ class _Layout:
     root: Path
 
     @property
-    def etc(self) -> Path: return self.root / "etc"
+    def etc(self) -> Path:
+        return self.root / "etc"
+
     @property
-    def slurm_conf(self) -> Path: return self.etc / "slurm.conf"
+    def slurm_conf(self) -> Path:
+        return self.etc / "slurm.conf"
+
     @property
-    def gres_conf(self) -> Path: return self.etc / "gres.conf"
+    def gres_conf(self) -> Path:
+        return self.etc / "gres.conf"
+
     @property
-    def plugstack(self) -> Path: return self.etc / "plugstack.conf"
+    def plugstack(self) -> Path:
+        return self.etc / "plugstack.conf"
+
     @property
-    def shape_file(self) -> Path: return self.etc / "shape.json"
+    def shape_file(self) -> Path:
+        return self.etc / "shape.json"
+
     @property
-    def munge_dir(self) -> Path: return self.root / "munge"
+    def munge_dir(self) -> Path:
+        return self.root / "munge"
+
     @property
-    def munge_key(self) -> Path: return self.munge_dir / "munge.key"
+    def munge_key(self) -> Path:
+        return self.munge_dir / "munge.key"
+
     @property
-    def munge_socket(self) -> Path: return self.munge_dir / "munge.socket"
+    def munge_socket(self) -> Path:
+        return self.munge_dir / "munge.socket"
+
     @property
-    def munge_seed(self) -> Path: return self.munge_dir / "munged.seed"
+    def munge_seed(self) -> Path:
+        return self.munge_dir / "munged.seed"
+
     @property
-    def run(self) -> Path: return self.root / "run"
+    def run(self) -> Path:
+        return self.root / "run"
+
     @property
-    def log(self) -> Path: return self.root / "log"
+    def log(self) -> Path:
+        return self.root / "log"
+
     @property
-    def state(self) -> Path: return self.root / "state"
+    def state(self) -> Path:
+        return self.root / "state"
+
     @property
-    def spool(self) -> Path: return self.root / "spool"
+    def spool(self) -> Path:
+        return self.root / "spool"
+
     @property
-    def dev(self) -> Path: return self.root / "dev"
+    def dev(self) -> Path:
+        return self.root / "dev"
 
     def pid_file(self, daemon: str) -> Path:
         """Pid file of ``munged``, ``slurmctld`` or ``slurmd-<node>``."""
@@ -396,12 +285,12 @@ def render_slurm_conf(lay: _Layout, shape: ClusterShape, hostname: str) -> str:
             f"NodeName={node} NodeHostname={hostname} NodeAddr=127.0.0.1 "
             f"Port={shape.slurmd_port(i)} CPUs={shape.cpus} Boards=1 "
             f"SocketsPerBoard=1 CoresPerSocket={shape.cpus} ThreadsPerCore=1 "
-            f"RealMemory={shape.mem_mb}{gres}{features} State=UNKNOWN")
+            f"RealMemory={shape.mem_mb}{gres}{features} State=UNKNOWN"
+        )
     nodelist = ",".join(shape.node_names())
     for part in shape.partitions:
         default = "YES" if part == shape.default_partition else "NO"
-        lines.append(f"PartitionName={part} Nodes={nodelist} Default={default} "
-                     "MaxTime=INFINITE State=UP")
+        lines.append(f"PartitionName={part} Nodes={nodelist} Default={default} MaxTime=INFINITE State=UP")
     return "\n".join(lines) + "\n"
 
 
@@ -498,12 +387,16 @@ def _live_pid(lay: _Layout, daemon: str) -> int | None:
 
 
 def _require_binaries() -> None:
-    missing = [b for b in ("munged", "slurmctld", "slurmd", "sinfo", "scontrol")
-               if shutil.which(b) is None and not Path("/usr/sbin", b).exists()]
+    missing = [
+        b
+        for b in ("munged", "slurmctld", "slurmd", "sinfo", "scontrol")
+        if shutil.which(b) is None and not Path("/usr/sbin", b).exists()
+    ]
     if missing:
         raise LocalClusterError(
             f"missing Slurm/munge binaries {missing}; install with "
-            "`apt-get install slurm-wlm munge` (Debian) or put them on PATH")
+            "`apt-get install slurm-wlm munge` (Debian) or put them on PATH"
+        )
 
 
 def _binary(name: str) -> str:
@@ -520,20 +413,21 @@ def _run_daemon(lay: _Layout, daemon: str, argv: list[str], env: dict[str, str])
         stale.unlink()  # not live (checked by caller): stale
     boot_log = lay.log / f"{daemon}.boot.log"
     with open(boot_log, "ab") as out:
-        proc = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                              stderr=subprocess.STDOUT, timeout=60, check=False)
+        proc = subprocess.run(
+            argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, timeout=60, check=False
+        )
     if proc.returncode != 0:
         raise LocalClusterError(
-            f"{daemon} failed to start (exit {proc.returncode}); see "
-            f"{boot_log} and {lay.log_file(daemon)}")
+            f"{daemon} failed to start (exit {proc.returncode}); see {boot_log} and {lay.log_file(daemon)}"
+        )
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         if _live_pid(lay, daemon) is not None:
             return
         time.sleep(0.1)
     raise LocalClusterError(
-        f"{daemon} did not come up (no live pid in {lay.pid_file(daemon)}); "
-        f"see {lay.log_file(daemon)} and {boot_log}")
+        f"{daemon} did not come up (no live pid in {lay.pid_file(daemon)}); see {lay.log_file(daemon)} and {boot_log}"
+    )
 
 
 def _port_free(port: int) -> bool:
@@ -550,21 +444,33 @@ def _port_free(port: int) -> bool:
 def _check_ports(lay: _Layout, shape: ClusterShape) -> None:
     """Fail early, and clearly, if a port we still need to bind is taken."""
     wanted = [] if _live_pid(lay, "slurmctld") else [("slurmctld", shape.base_port)]
-    wanted += [(f"slurmd-{n}", shape.slurmd_port(i)) for i, n in enumerate(shape.node_names())
-               if _live_pid(lay, f"slurmd-{n}") is None]
+    wanted += [
+        (f"slurmd-{n}", shape.slurmd_port(i))
+        for i, n in enumerate(shape.node_names())
+        if _live_pid(lay, f"slurmd-{n}") is None
+    ]
     busy = [f"{d} port {p}" for d, p in wanted if not _port_free(p)]
     if busy:
         raise LocalClusterError(
             f"ports in use: {', '.join(busy)} (another Slurm or local cluster?); "
-            "stop it or pick another base port with --port / ClusterShape(base_port=...)")
+            "stop it or pick another base port with --port / ClusterShape(base_port=...)"
+        )
 
 
 def _start_munged(lay: _Layout, env: dict[str, str]) -> None:
-    _run_daemon(lay, "munged", [
-        _binary("munged"), f"--socket={lay.munge_socket}",
-        f"--key-file={lay.munge_key}", f"--pid-file={lay.pid_file('munged')}",
-        f"--log-file={lay.log_file('munged')}", f"--seed-file={lay.munge_seed}",
-    ], env)
+    _run_daemon(
+        lay,
+        "munged",
+        [
+            _binary("munged"),
+            f"--socket={lay.munge_socket}",
+            f"--key-file={lay.munge_key}",
+            f"--pid-file={lay.pid_file('munged')}",
+            f"--log-file={lay.log_file('munged')}",
+            f"--seed-file={lay.munge_seed}",
+        ],
+        env,
+    )
 
 
 def _start_slurmctld(lay: _Layout, env: dict[str, str]) -> None:
@@ -573,8 +479,7 @@ def _start_slurmctld(lay: _Layout, env: dict[str, str]) -> None:
 
 
 def _start_slurmd(lay: _Layout, node: str, env: dict[str, str]) -> None:
-    _run_daemon(lay, f"slurmd-{node}",
-                [_binary("slurmd"), "-N", node, "-f", str(lay.slurm_conf)], env)
+    _run_daemon(lay, f"slurmd-{node}", [_binary("slurmd"), "-N", node, "-f", str(lay.slurm_conf)], env)
 
 
 def _slurm_env(lay: _Layout) -> dict[str, str]:
@@ -587,16 +492,20 @@ def _slurm_env(lay: _Layout) -> dict[str, str]:
 def _node_usable(state: str) -> bool:
     s = state.upper()
     bad = ("DOWN", "DRAIN", "FAIL", "UNKNOWN", "NOT_RESPONDING", "INVAL", "FUTURE")
-    return not any(b in s for b in bad) and any(
-        g in s for g in ("IDLE", "MIXED", "ALLOCATED", "COMPLETING"))
+    return not any(b in s for b in bad) and any(g in s for g in ("IDLE", "MIXED", "ALLOCATED", "COMPLETING"))
 
 
 def _query_node_states(lay: _Layout) -> dict[str, str]:
     """``{node: State}`` from ``scontrol -o show nodes``; {} if unreachable."""
     try:
         out = subprocess.run(
-            ["scontrol", "-o", "show", "nodes"], env=_slurm_env(lay), capture_output=True,
-            text=True, timeout=15, check=False)
+            ["scontrol", "-o", "show", "nodes"],
+            env=_slurm_env(lay),
+            capture_output=True,
+            text=True,
+            timeout=15,
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return {}
     states: dict[str, str] = {}
@@ -614,22 +523,16 @@ def _wait_ready(lay: _Layout, shape: ClusterShape, timeout_s: float) -> None:
     while time.monotonic() < deadline:
         for daemon in _daemon_names(shape):
             if _live_pid(lay, daemon) is None:
-                raise LocalClusterError(
-                    f"{daemon} died during start-up; see {lay.log_file(daemon)}")
+                raise LocalClusterError(f"{daemon} died during start-up; see {lay.log_file(daemon)}")
         states = _query_node_states(lay)
         if states and all(_node_usable(states.get(n, "")) for n in shape.node_names()):
             return
         time.sleep(0.5)
     if not states:
-        raise LocalClusterError(
-            f"slurmctld did not answer within {timeout_s:.0f}s; see "
-            f"{lay.log_file('slurmctld')}")
-    bad = {n: states.get(n, "missing") for n in shape.node_names()
-           if not _node_usable(states.get(n, ""))}
+        raise LocalClusterError(f"slurmctld did not answer within {timeout_s:.0f}s; see {lay.log_file('slurmctld')}")
+    bad = {n: states.get(n, "missing") for n in shape.node_names() if not _node_usable(states.get(n, ""))}
     hints = ", ".join(f"{n}={s} (log {lay.log_file('slurmd-' + n)})" for n, s in bad.items())
-    raise LocalClusterError(
-        f"nodes not idle after {timeout_s:.0f}s: {hints}; "
-        f"also see {lay.log_file('slurmctld')}")
+    raise LocalClusterError(f"nodes not idle after {timeout_s:.0f}s: {hints}; also see {lay.log_file('slurmctld')}")
 
 
 # ---------------------------------------------------------------- public API
@@ -647,15 +550,13 @@ def status(root: Path | str | None = None) -> ClusterStatus:
     if not lay.shape_file.exists():
         return ClusterStatus(root=lay.root, configured=False)
     shape = ClusterShape.from_json(lay.shape_file.read_text())
-    st = ClusterStatus(root=lay.root, configured=True,
-                       daemons={d: _live_pid(lay, d) for d in _daemon_names(shape)})
+    st = ClusterStatus(root=lay.root, configured=True, daemons={d: _live_pid(lay, d) for d in _daemon_names(shape)})
     if st.daemons.get("slurmctld"):
         st.node_states = _query_node_states(lay)
     return st
 
 
-def start(root: Path | str | None = None, shape: ClusterShape = DEFAULT_SHAPE,
-          timeout_s: float = 60.0) -> ClusterInfo:
+def start(root: Path | str | None = None, shape: ClusterShape = DEFAULT_SHAPE, timeout_s: float = 60.0) -> ClusterInfo:
     """Start (or reuse) the private cluster and wait until all nodes are idle.
 
     Idempotent: daemons already running from this root are left alone. A
@@ -665,8 +566,7 @@ def start(root: Path | str | None = None, shape: ClusterShape = DEFAULT_SHAPE,
     _require_binaries()
     lay = _resolve(root)
     if len(str(lay.munge_socket)) > _MAX_SOCKET_PATH:
-        raise LocalClusterError(
-            f"root {lay.root} is too long for a unix socket path; pick a shorter --root")
+        raise LocalClusterError(f"root {lay.root} is too long for a unix socket path; pick a shorter --root")
     hostname = _hostname()
     current = status(lay.root)
     if current.configured and any(current.daemons.values()):
@@ -674,7 +574,8 @@ def start(root: Path | str | None = None, shape: ClusterShape = DEFAULT_SHAPE,
         if old != shape:
             raise LocalClusterError(
                 f"a cluster with a different shape is running at {lay.root}; "
-                f"run `python -m vlaslurm.slurm.local_cluster stop --root {lay.root}` first")
+                f"run `python -m vlaslurm.slurm.local_cluster stop --root {lay.root}` first"
+            )
     _check_ports(lay, shape)
     _make_dirs(lay, shape)
     _make_fake_gpus(lay, shape)
@@ -689,18 +590,15 @@ def start(root: Path | str | None = None, shape: ClusterShape = DEFAULT_SHAPE,
         if _live_pid(lay, f"slurmd-{node}") is None:
             _start_slurmd(lay, node, denv)
     _wait_ready(lay, shape, timeout_s)
-    return ClusterInfo(root=lay.root, slurm_conf=lay.slurm_conf, shape=shape,
-                       hostname=hostname, env=env(lay.root))
+    return ClusterInfo(root=lay.root, slurm_conf=lay.slurm_conf, shape=shape, hostname=hostname, env=env(lay.root))
 
 
 def _cancel_all_jobs(lay: _Layout) -> None:
     """scancel every job so slurmstepd/job processes do not outlive slurmd."""
     senv = _slurm_env(lay)
     try:
-        subprocess.run(["scancel", "--full", "--user", "root"], env=senv,
-                       capture_output=True, timeout=15, check=False)
-        subprocess.run(["scancel", "--full"] + _job_ids(senv), env=senv,
-                       capture_output=True, timeout=15, check=False)
+        subprocess.run(["scancel", "--full", "--user", "root"], env=senv, capture_output=True, timeout=15, check=False)
+        subprocess.run(["scancel", "--full"] + _job_ids(senv), env=senv, capture_output=True, timeout=15, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return
     deadline = time.monotonic() + 15
@@ -710,8 +608,9 @@ def _cancel_all_jobs(lay: _Layout) -> None:
 
 def _job_ids(senv: dict[str, str]) -> list[str]:
     try:
-        out = subprocess.run(["squeue", "-h", "-o", "%A"], env=senv, capture_output=True,
-                             text=True, timeout=15, check=False)
+        out = subprocess.run(
+            ["squeue", "-h", "-o", "%A"], env=senv, capture_output=True, text=True, timeout=15, check=False
+        )
     except (OSError, subprocess.TimeoutExpired):
         return []
     return out.stdout.split() if out.returncode == 0 else []
@@ -749,22 +648,25 @@ def stop(root: Path | str | None = None) -> None:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m vlaslurm.slurm.local_cluster",
-                                description="Private local Slurm cluster for vlaslurm.")
+    p = argparse.ArgumentParser(
+        prog="python -m vlaslurm.slurm.local_cluster", description="Private local Slurm cluster for vlaslurm."
+    )
     p.add_argument("command", choices=["start", "stop", "status", "env", "restart"])
-    p.add_argument("--root", type=Path, default=None,
-                   help=f"private folder (default ${ENV_ROOT} or {FALLBACK_ROOT})")
+    p.add_argument("--root", type=Path, default=None, help=f"private folder (default ${ENV_ROOT} or {FALLBACK_ROOT})")
     d = DEFAULT_SHAPE
     p.add_argument("--nodes", type=int, default=d.nodes)
     p.add_argument("--cpus", type=int, default=d.cpus, help="CPUs per node")
     p.add_argument("--gpus", type=int, default=d.gpus, help="fake GPUs per node")
     p.add_argument("--mem", type=int, default=d.mem_mb, help="MB per node")
-    p.add_argument("--partitions", default=",".join(d.partitions),
-                   help="comma list; the first is the default partition")
-    p.add_argument("--features", default=",".join(d.features),
-                   help="comma list of node features (for --constraint); empty for none")
-    p.add_argument("--port", type=int, default=d.base_port,
-                   help="slurmctld port; slurmd i listens on port+1+i")
+    p.add_argument(
+        "--partitions", default=",".join(d.partitions), help="comma list; the first is the default partition"
+    )
+    p.add_argument(
+        "--features",
+        default=",".join(d.features),
+        help="comma list of node features (for --constraint); empty for none",
+    )
+    p.add_argument("--port", type=int, default=d.base_port, help="slurmctld port; slurmd i listens on port+1+i")
     p.add_argument("--min-job-age", type=int, default=d.min_job_age_s)
     p.add_argument("--timeout", type=float, default=60.0, help="start deadline (s)")
     return p.parse_args(argv)
@@ -772,10 +674,17 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def _shape_from_args(a: argparse.Namespace) -> ClusterShape:
     parts = tuple(x for x in a.partitions.split(",") if x)
-    return ClusterShape(nodes=a.nodes, cpus=a.cpus, gpus=a.gpus, mem_mb=a.mem,
-                        partitions=parts, default_partition=parts[0] if parts else "",
-                        features=tuple(x for x in a.features.split(",") if x),
-                        base_port=a.port, min_job_age_s=a.min_job_age)
+    return ClusterShape(
+        nodes=a.nodes,
+        cpus=a.cpus,
+        gpus=a.gpus,
+        mem_mb=a.mem,
+        partitions=parts,
+        default_partition=parts[0] if parts else "",
+        features=tuple(x for x in a.features.split(",") if x),
+        base_port=a.port,
+        min_job_age_s=a.min_job_age,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -786,10 +695,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             stop(a.root)
         if a.command in ("start", "restart"):
             info = start(a.root, _shape_from_args(a), timeout_s=a.timeout)
-            print(f"local slurm cluster ready at {info.root} "
-                  f"({info.shape.nodes} nodes x {info.shape.gpus} GPUs); "
-                  f"eval \"$(python -m vlaslurm.slurm.local_cluster env"
-                  f"{' --root ' + str(info.root) if a.root else ''})\"")
+            print(
+                f"local slurm cluster ready at {info.root} "
+                f"({info.shape.nodes} nodes x {info.shape.gpus} GPUs); "
+                f'eval "$(python -m vlaslurm.slurm.local_cluster env'
+                f'{" --root " + str(info.root) if a.root else ""})"'
+            )
         elif a.command == "status":
             st = status(a.root)
             print(st.describe())

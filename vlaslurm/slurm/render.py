@@ -1,4 +1,5 @@
 """Render a hetjob plan into sbatch script text through a Jinja template users can edit."""
+
 from __future__ import annotations
 
 import re
@@ -10,9 +11,10 @@ from typing import Optional, Sequence
 
 import jinja2
 
+from vlaslurm.rundir import layout
 from vlaslurm.runtime.signals import REQUEUE_EXIT
-from vlaslurm.slurm.plan import HetjobPlan
 from vlaslurm.spec import LoadedSpec
+from vlaslurm.spec.plan import HetjobPlan
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent.parent / "sbatch_templates"
 TEMPLATE_NAME = "hetjob.sbatch.j2"
@@ -41,24 +43,30 @@ class RenderOptions:
 def render_script(loaded: LoadedSpec, plan: HetjobPlan, options: RenderOptions) -> str:
     """The sbatch script of `plan`."""
     spec = loaded.spec
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(options.template_dir or TEMPLATE_DIR)),
-                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(options.template_dir or TEMPLATE_DIR)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
     template = env.get_template(TEMPLATE_NAME)
     run_dir = str(Path(options.run_dir).resolve())
     suffix = "-%j" if options.job_id_suffix else ""
     run_dir_q = shlex.quote(run_dir) + ('-"${SLURM_JOB_ID}"' if options.job_id_suffix else "")
     from vlaslurm.slurm.containers import step_launch
 
-    launch = {step.role: step_launch(loaded, step.role, Path(options.run_dir), options.job_id_suffix)
-              for step in plan.steps}
+    launch = {
+        step.role: step_launch(loaded, step.role, Path(options.run_dir), options.job_id_suffix) for step in plan.steps
+    }
     for key, value in _sbatch_values(spec, plan).items():
         if not _SBATCH_VALUE.match(value):
             raise loaded.error(key, f"{value!r} cannot be an #SBATCH value (no spaces, quotes or shell characters)")
     return template.render(
-        header=_one_line(f"spec: {loaded.path.name}" + (f" with {' '.join(loaded.overrides)}" if loaded.overrides
-                                                         else "")),
+        header=_one_line(
+            f"spec: {loaded.path.name}" + (f" with {' '.join(loaded.overrides)}" if loaded.overrides else "")
+        ),
         name=spec.name,
-        batch_log=_sbatch_path(f"{run_dir.replace('%', '%%')}{suffix}/logs/batch-%j.log"),
+        batch_log=_sbatch_path(f"{run_dir.replace('%', '%%')}{suffix}/{layout.LOGS}/{layout.BATCH_LOG_PATTERN}"),
         time=spec.slurm.time,
         signal_seconds=spec.slurm.signal_seconds,
         account=spec.slurm.account,
@@ -74,6 +82,8 @@ def render_script(loaded: LoadedSpec, plan: HetjobPlan, options: RenderOptions) 
         entry_module=ENTRY_MODULES[plan.kind],
         entry_args="".join(f" {shlex.quote(arg)}" for arg in options.entry_args),
         requeue_exit=REQUEUE_EXIT,
+        logs=layout.LOGS,
+        exit_record=layout.EXIT_RECORD,
     )
 
 
@@ -88,8 +98,11 @@ def _sbatch_values(spec, plan: HetjobPlan) -> dict:
         for attr in ("partition", "constraint", "mem", "gres_type"):
             value = getattr(comp, attr)
             if value:
-                values[f"resources.{role}.{attr}" if attr != "partition" or
-                       getattr(spec.resources, role).partition else "slurm.partition"] = value
+                values[
+                    f"resources.{role}.{attr}"
+                    if attr != "partition" or getattr(spec.resources, role).partition
+                    else "slurm.partition"
+                ] = value
     return values
 
 
@@ -112,6 +125,7 @@ def _one_line(text: str) -> str:
 def _sbatch_path(path: str) -> str:
     """A path for an #SBATCH line: sbatch honours double quotes there, a shell never sees it."""
     if '"' in path or "\n" in path or "\\" in path:
-        raise RenderError(f"run directory {path!r} contains a double quote, backslash or newline; "
-                          "choose another --runs-root")
+        raise RenderError(
+            f"run directory {path!r} contains a double quote, backslash or newline; choose another --runs-root"
+        )
     return f'"{path}"' if re.search(r"\s", path) else path

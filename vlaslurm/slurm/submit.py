@@ -1,4 +1,5 @@
 """Submit, query and cancel hetjobs; everything a run needs is written before sbatch."""
+
 from __future__ import annotations
 
 import os
@@ -8,18 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from vlaslurm.runtime import rundir
-from vlaslurm.runtime.records import read_jsonl
-from vlaslurm.runtime.rendezvous import write_atomic
-from vlaslurm.runtime.secret import create_secret
-from vlaslurm.slurm.cluster import check_fits, default_partition, query_nodes, run_slurm
-from vlaslurm.slurm.plan import build_plan, job_run_name
+from vlaslurm import rundir
+from vlaslurm.rundir import RunDir, write_atomic
+from vlaslurm.slurm.cluster import SlurmUnavailable, check_fits, default_partition, query_nodes, run_slurm
 from vlaslurm.slurm.render import RenderOptions, render_script
-from vlaslurm.spec import LoadedSpec
+from vlaslurm.spec import LoadedSpec, load_spec
+from vlaslurm.spec.plan import build_plan, job_run_name
 from vlaslurm.spec.validate import check_model_path
-
-EXIT_RECORD = "exit_record.jsonl"
-SITE_COPY = "site.yaml"  # the site profile the run was submitted with
 
 
 @dataclass
@@ -34,8 +30,9 @@ class Submission:
 def plan_script(loaded: LoadedSpec, runs_root: Path, entry_args: Sequence[str] = ()) -> str:
     """The script `submit` would send, with the job id left to Slurm (nothing is written)."""
     run_dir = Path(runs_root) / loaded.spec.name / "<date>-<time>"
-    return render_script(loaded, build_plan(loaded),
-                         RenderOptions(run_dir=run_dir, job_id_suffix=True, entry_args=entry_args))
+    return render_script(
+        loaded, build_plan(loaded), RenderOptions(run_dir=run_dir, job_id_suffix=True, entry_args=entry_args)
+    )
 
 
 def test_only(loaded: LoadedSpec, runs_root: Path) -> str:
@@ -50,38 +47,53 @@ def test_only(loaded: LoadedSpec, runs_root: Path) -> str:
         os.unlink(handle.name)
 
 
-def submit(loaded: LoadedSpec, runs_root: Path, run_dir: Optional[Path] = None, entry_args: Sequence[str] = (),
-           sweep: Optional[str] = None, kind: str = "train") -> Submission:
+def submit(
+    loaded: LoadedSpec,
+    runs_root: Path,
+    run_dir: Optional[Path] = None,
+    entry_args: Sequence[str] = (),
+    sweep: Optional[str] = None,
+    kind: str = "train",
+) -> Submission:
     """Check the plan fits, write the run directory, and submit held; release once the directory is final.
 
     With no `run_dir`, the directory is renamed to `<stamp>-<jobid>` while the job is held, so the
     script (which computes the same name from $SLURM_JOB_ID) never starts before it exists.
-    With `resources.placement: auto` the spec is reloaded with the chosen placement's overrides.
+    A `resources.placement: auto` spec must have its placement chosen first (`placement.resolve_auto`).
     `kind="eval"` submits the job without its trainer (`vlaslurm eval`; `entry_args` carry the eval's config),
     named `<name>-eval`.
     """
-    if loaded.spec.resources.placement == "auto":
-        from vlaslurm.placement.commands import auto_overrides
-        from vlaslurm.spec import load_spec
-
-        loaded = load_spec(loaded.path, [*loaded.overrides, *auto_overrides(loaded, runs_root)], site=loaded.site)
     check_model_path(loaded)
     plan = build_plan(loaded, kind)
     check_fits(loaded, plan, query_nodes(), default_partition())
     explicit = run_dir is not None
     name = job_run_name(loaded.spec.name, kind)
-    directory = rundir.claim_run_dir(run_dir) if explicit else rundir.new_run_dir(runs_root, name)
-    script = render_script(loaded, plan, RenderOptions(run_dir=directory, job_id_suffix=not explicit,
-                                                       entry_args=entry_args))
-    _prepare(directory, loaded, script)
-    job_id = _sbatch(["--parsable", "--hold", str(directory / "job.sbatch")]).strip().split(";")[0]
+    directory = rundir.claim_run_dir(run_dir) if run_dir is not None else rundir.new_run_dir(runs_root, name)
+    script = render_script(
+        loaded, plan, RenderOptions(run_dir=directory, job_id_suffix=not explicit, entry_args=entry_args)
+    )
+    # `vlaslurm resume` renders with the same site (spec.yaml already holds its defaults)
+    rundir.create_run(
+        directory,
+        loaded.to_yaml(),
+        job_script=script,
+        site_profile=loaded.site.path.read_bytes() if loaded.site is not None else None,
+    )
+    job_id = _sbatch(["--parsable", "--hold", str(RunDir(directory).job_script)]).strip().split(";")[0]
     if not explicit:
         final = directory.with_name(f"{directory.name}-{job_id}")
         directory.rename(final)
         directory = final
-    info = rundir.RunInfo(name=name, run_dir=str(directory.resolve()), kind="slurm", job_id=job_id,
-                          spec_path=str(loaded.path), overrides=list(loaded.overrides), ranks=plan.ranks(),
-                          sweep=sweep)
+    info = rundir.RunInfo(
+        name=name,
+        run_dir=str(directory.resolve()),
+        kind="slurm",
+        job_id=job_id,
+        spec_path=str(loaded.path),
+        overrides=list(loaded.overrides),
+        ranks=plan.ranks(),
+        sweep=sweep,
+    )
     rundir.write_info(info)
     rundir.append_index(runs_root, info)
     run_slurm(["scontrol", "release", job_id])
@@ -92,16 +104,13 @@ def resubmit(info: rundir.RunInfo, runs_root: Path) -> Submission:
     """Submit a stopped run again into its own run directory (`vlaslurm resume`): a new job id, so a fresh
     rendezvous; the trainer continues from the newest checkpoint. The first script is kept; this one is
     `job-resume-<n>.sbatch`."""
-    from vlaslurm.spec import load_spec
-
     directory = Path(info.run_dir)
-    site = directory / SITE_COPY
-    loaded = load_spec(directory / "spec.yaml", site=site if site.exists() else None)
+    paths = RunDir(directory)
+    loaded = load_spec(paths.spec, site=paths.site_copy if paths.site_copy.exists() else None)
     plan = build_plan(loaded)
     check_fits(loaded, plan, query_nodes(), default_partition())
     script = render_script(loaded, plan, RenderOptions(run_dir=directory))
-    n = len(list(directory.glob("job-resume-*.sbatch"))) + 1
-    path = directory / f"job-resume-{n}.sbatch"
+    path = paths.resume_script(len(paths.resume_scripts()) + 1)
     write_atomic(path, script.encode(), mode=0o700)
     job_id = _sbatch(["--parsable", str(path)]).strip().split(";")[0]
     info.job_id = job_id
@@ -110,17 +119,7 @@ def resubmit(info: rundir.RunInfo, runs_root: Path) -> Submission:
     return Submission(job_id, directory, script)
 
 
-def _prepare(directory: Path, loaded: LoadedSpec, script: str) -> None:
-    (directory / "logs").mkdir(exist_ok=True)
-    write_atomic(directory / "spec.yaml", loaded.to_yaml().encode())
-    write_atomic(directory / "job.sbatch", script.encode(), mode=0o700)
-    if loaded.site is not None:  # `vlaslurm resume` renders with the same site (spec.yaml already holds its defaults)
-        write_atomic(directory / SITE_COPY, loaded.site.path.read_bytes())
-    create_secret(directory)
-
-
 def _sbatch(args: List[str]) -> str:
-    from vlaslurm.slurm.cluster import SlurmUnavailable
     import subprocess
 
     proc = subprocess.run(["sbatch", *args], capture_output=True, text=True, timeout=60)
@@ -136,17 +135,6 @@ def job_states(job_id: str) -> Dict[str, str]:
     """
     out = run_slurm(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%i|%T"])
     return dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
-
-
-def exit_record(run_dir: Path) -> List[dict]:
-    """The steps' exit lines the batch script wrote (torn lines from a killed job are skipped)."""
-    return read_jsonl(Path(run_dir) / EXIT_RECORD)
-
-
-def job_outcome(run_dir: Path) -> Optional[int]:
-    """The job's exit code from the exit record of its latest restart, or None if it has not ended."""
-    jobs = [r for r in exit_record(run_dir) if r.get("step") == "job"]
-    return jobs[-1]["exit_code"] if jobs else None
 
 
 def cancel(job_id: str) -> None:

@@ -7,6 +7,7 @@ loaded and validated before the first job is submitted, so a bad value submits
 nothing. The runs share `RunInfo.sweep` (the run index, `vlaslurm runs --sweep`,
 `vlaslurm status/cancel SWEEP`) and the MLflow tag `vlaslurm.sweep`.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from vlaslurm.runtime.rundir import RunInfo, RunNotFound, list_runs, resolve_run
+from vlaslurm.rundir import RunDir, RunInfo, RunNotFound, list_runs, resolve_run
 from vlaslurm.spec import LoadedSpec, SpecError
 from vlaslurm.spec.errors import COMMAND_LINE, Location
 
@@ -74,22 +75,28 @@ def default_sweep_name(spec_name: str) -> str:
     return f"{spec_name}-sweep-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def load_all(load: Callable[[Sequence[str]], LoadedSpec], overrides: Sequence[str],
-             combos: List[List[str]]) -> List[LoadedSpec]:
+def load_all(
+    load: Callable[[Sequence[str]], LoadedSpec], overrides: Sequence[str], combos: List[List[str]]
+) -> List[LoadedSpec]:
     """Every combination loaded and validated (the user's overrides first, the combination on top)."""
     return [load([*overrides, *combo]) for combo in combos]
 
 
-def submit_sweep(specs: List[LoadedSpec], runs_root: Path, name: str, entry_args: Sequence[str] = (),
-                 on_submit: Callable[[int, "object"], None] = lambda i, sub: None) -> list:
+def submit_sweep(
+    specs: List[LoadedSpec],
+    runs_root: Path,
+    name: str,
+    entry_args: Sequence[str] = (),
+    on_submit: Callable[[int, object], None] = lambda i, sub: None,
+) -> list:
     """Submit one job per loaded spec under sweep `name`; returns the Submissions. If Slurm refuses one,
     the error says which jobs were already submitted (cancel them with `vlaslurm cancel NAME`)."""
     from vlaslurm.slurm.cluster import SlurmUnavailable
-    from vlaslurm.slurm.submit import submit
+    from vlaslurm.slurm.submit import Submission, submit
 
     if any(r.sweep == name for r in list_runs(runs_root)):
         raise _error(f"sweep {name!r} already exists under {runs_root}; choose another --sweep-name")
-    done = []
+    done: List[Submission] = []
     for index, loaded in enumerate(specs):
         try:
             sub = submit(loaded, runs_root, entry_args=entry_args, sweep=name)
@@ -97,8 +104,10 @@ def submit_sweep(specs: List[LoadedSpec], runs_root: Path, name: str, entry_args
             if not done:
                 raise
             ids = ", ".join(s.job_id for s in done)
-            raise SlurmUnavailable(f"{exc} (after {len(done)} of {len(specs)} jobs of sweep {name!r} were "
-                                   f"submitted: {ids}; `vlaslurm cancel {name}` stops them)") from None
+            raise SlurmUnavailable(
+                f"{exc} (after {len(done)} of {len(specs)} jobs of sweep {name!r} were "
+                f"submitted: {ids}; `vlaslurm cancel {name}` stops them)"
+            ) from None
         done.append(sub)
         on_submit(index, sub)
     return done
@@ -111,7 +120,7 @@ def sweep_runs(runs_root: Path, name: str) -> List[RunInfo]:
 
 def resolve_runs(runs_root: Path, ref: str) -> List[RunInfo]:
     """RUN as the commands take it, where a sweep name means all of its runs."""
-    if not (Path(ref) / "run.json").exists():
+    if not RunDir(ref).holds_run():
         runs = list_runs(runs_root)
         if not any(r.job_id == ref for r in runs):
             members = [r for r in runs if r.sweep == ref]
@@ -124,5 +133,14 @@ def _error(message: str) -> SpecError:
     return SpecError(message, location=Location(COMMAND_LINE))
 
 
-__all__ = ["RunNotFound", "combinations", "default_sweep_name", "load_all", "parse_seeds", "parse_sweep",
-           "resolve_runs", "submit_sweep", "sweep_runs"]
+__all__ = [
+    "RunNotFound",
+    "combinations",
+    "default_sweep_name",
+    "load_all",
+    "parse_seeds",
+    "parse_sweep",
+    "resolve_runs",
+    "submit_sweep",
+    "sweep_runs",
+]

@@ -1,12 +1,14 @@
 """Config dataclasses for each registered `algo.type`."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Literal, get_args
 
 from vlaslurm.spec.registry import doc, register
 
-GRPO_ADVANTAGES = ("chunk", "step", "episode")
+GrpoAdvantage = Literal["chunk", "step", "episode"]
+GRPO_ADVANTAGES: tuple = get_args(GrpoAdvantage)
 
 
 @dataclass
@@ -20,11 +22,16 @@ class AlgoConfig:
     minibatches: int = doc(4, "Minibatches per pass.")
     max_grad_norm: float = doc(1.0, "Gradient clipping norm.")
     clip: List[float] = doc([0.2, 0.2], "PPO ratio clip [low, high]; asymmetric allowed, e.g. [0.2, 0.28].")
-    offpolicy_correction: str = doc(
+    offpolicy_correction: Literal["none", "decoupled", "tis"] = doc(
         "decoupled", "Stale-sample correction: none, decoupled (decoupled PPO) or tis (truncated IS)."
     )
     tis_cap: float = doc(2.0, "Upper bound of the behaviour importance weight.")
-    logprob_level: str = doc("chunk", "Granularity of log-probs: token, action or chunk.")
+    logprob_level: Literal["token", "action", "chunk"] = doc("chunk", "Granularity of log-probs.")
+
+    @property
+    def episodes_per_group(self) -> int:
+        """Episodes that start from one seed and are judged together (GRPO's group_size); 1 for the others."""
+        return 1
 
 
 @register("algo", "ppo")
@@ -36,7 +43,7 @@ class PPOConfig(AlgoConfig):
     gae_lambda: float = doc(0.95, "GAE lambda.")
     value_coef: float = doc(0.5, "Weight of the value loss.")
     entropy_coef: float = doc(0.0, "Weight of the entropy bonus.")
-    value_level: str = doc("chunk", "Value and advantage granularity: action or chunk.")
+    value_level: Literal["action", "chunk"] = doc("chunk", "Value and advantage granularity: action or chunk.")
 
 
 @register("algo", "grpo")
@@ -46,11 +53,16 @@ class GRPOConfig(AlgoConfig):
 
     group_size: int = doc(8, "Rollouts per group (same task and initial state).")
     success_filter: List[float] = doc([0.0, 1.0], "Keep groups whose success rate lies in [low, high].")
-    advantage: str = doc(
-        "chunk", "chunk: each chunk's reward normalised within its group at that chunk index; step: the "
-        "reward-to-go of those; episode: the normalised episode return for every chunk."
+    advantage: GrpoAdvantage = doc(
+        "chunk",
+        "chunk: each chunk's reward normalised within its group at that chunk index; step: the "
+        "reward-to-go of those; episode: the normalised episode return for every chunk.",
     )
     entropy_coef: float = doc(0.0, "Weight of the entropy bonus.")
+
+    @property
+    def episodes_per_group(self) -> int:
+        return self.group_size
 
 
 @register("algo", "synthetic")

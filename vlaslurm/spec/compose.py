@@ -3,6 +3,7 @@ overrides into one plain mapping, remembering where every dotted key was written
 
 OmegaConf keeps no line numbers, so this pass owns them.
 """
+
 from __future__ import annotations
 
 import copy
@@ -16,8 +17,11 @@ from vlaslurm.spec.errors import COMMAND_LINE, Location, SpecError
 Locations = Dict[str, Location]
 
 
-def compose(path: Path, overrides: Sequence[str] = (),
-            defaults: Optional[Tuple[Dict[str, Any], Locations]] = None) -> Tuple[Dict[str, Any], Locations, List[Path]]:
+def compose(
+    path: Path,
+    overrides: Sequence[str] = (),
+    defaults: Optional[Tuple[Dict[str, Any], Locations]] = None,
+) -> Tuple[Dict[str, Any], Locations, List[Path]]:
     """The merged mapping, each dotted key's location, and the files read (child last).
 
     `defaults` (a site profile's partial spec and its locations) go under the files; overrides on top."""
@@ -63,7 +67,9 @@ def _read_yaml(path: Path) -> Tuple[Dict[str, Any], Locations]:
         raise SpecError(f"cannot read spec: {exc.strerror}", location=Location(str(path))) from None
     except UnicodeDecodeError as exc:
         line = path.read_bytes()[: exc.start].count(b"\n") + 1
-        raise SpecError(f"not UTF-8 text (byte {exc.object[exc.start]:#04x})", location=Location(str(path), line)) from None
+        raise SpecError(
+            f"not UTF-8 text (byte {exc.object[exc.start]:#04x})", location=Location(str(path), line)
+        ) from None
     try:
         loader = yaml.SafeLoader(text)
         try:
@@ -73,13 +79,15 @@ def _read_yaml(path: Path) -> Tuple[Dict[str, Any], Locations]:
             loader.dispose()
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
+        yaml_line = mark.line + 1 if mark is not None else None
         problem = getattr(exc, "problem", None) or str(exc)
-        raise SpecError(f"invalid YAML: {problem}", location=Location(str(path), line)) from None
+        raise SpecError(f"invalid YAML: {problem}", location=Location(str(path), yaml_line)) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise SpecError("a spec must be a mapping of sections (name:, env:, model: ...)", location=Location(str(path), 1))
+        raise SpecError(
+            "a spec must be a mapping of sections (name:, env:, model: ...)", location=Location(str(path), 1)
+        )
     locations: Locations = {}
     if node is not None:
         _record_locations(node, "", str(path), locations)

@@ -4,12 +4,18 @@ Every field carries its documentation in the `doc` metadata, so `vlaslurm plan`
 and error messages can show it. Simulator code lives in `vlaslurm/envs/`; only
 the typed contract lives here, so loading a spec never imports a simulator.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Literal, Optional
 
 from vlaslurm.spec.registry import doc, register
+
+# What the ManiSkill adapter can turn into observations: privileged state, or camera images.
+ManiSkillObsMode = Literal[
+    "state", "state_dict", "rgb", "rgbd", "rgb+depth", "rgb+segmentation", "rgb+depth+segmentation", "sensor_data"
+]
 
 
 @dataclass
@@ -26,7 +32,9 @@ class EnvConfig:
     """Fields shared by every simulator type."""
 
     type: str = doc("", "Simulator type; selects the dataclass below (e.g. toy, synthetic, maniskill).")
-    tasks: List[str] = doc([], "Task names; they take turns by GRPO group (algo.group_size environments), else by environment.")
+    tasks: List[str] = doc(
+        [], "Task names; they take turns by GRPO group (algo.group_size environments), else by environment."
+    )
     num_envs: int = doc(16, "Environment instances in total, over all simulator ranks.")
     max_episode_steps: int = doc(100, "Steps after which an episode is truncated.")
     obs: ObsConfig = field(default_factory=ObsConfig, metadata={"doc": "Observation settings."})
@@ -43,7 +51,7 @@ class ToyEnvConfig(EnvConfig):
 
     tasks: List[str] = doc(["reach"], "Task names (the toy task has one family: reach).")
     num_objects: int = doc(3, "Coloured objects drawn in each image.")
-    reward: str = doc("shaped", "Reward: 'shaped' (distance decrease + success bonus) or 'sparse'.")
+    reward: Literal["shaped", "sparse"] = doc("shaped", "Reward: shaped (distance decrease + success bonus) or sparse.")
     max_episode_steps: int = doc(24, "Steps after which an episode is truncated.")
     obs: ObsConfig = field(
         default_factory=lambda: ObsConfig(image_size=32, cameras=["top"], state=True),
@@ -55,7 +63,7 @@ class ToyEnvConfig(EnvConfig):
 class StepTimeConfig:
     """Distribution of one synthetic environment step's duration."""
 
-    dist: str = doc("constant", "One of constant, lognormal, pareto.")
+    dist: Literal["constant", "lognormal", "pareto"] = doc("constant", "Step time distribution.")
     mean: float = doc(10.0, "Mean step time in milliseconds.")
     sigma: float = doc(1.0, "Sigma of the underlying normal (lognormal only).")
     alpha: float = doc(1.5, "Tail index (pareto only; must be > 1 for a finite mean).")
@@ -76,6 +84,7 @@ class SyntheticEnvConfig(EnvConfig):
 
     def episode_limit(self) -> int:
         return min(self.episode_steps, self.max_episode_steps)
+
     obs: ObsConfig = field(
         default_factory=lambda: ObsConfig(image_size=0, cameras=[], state=True),
         metadata={"doc": "Observation settings."},
@@ -88,20 +97,28 @@ class ManiSkillEnvConfig(EnvConfig):
     """ManiSkill3 tasks (GPU-parallel simulation on clusters, CPU here)."""
 
     tasks: List[str] = doc(["PushCube-v1"], "ManiSkill task ids, e.g. PickCube-v1.")
-    sim_backend: str = doc("auto", "ManiSkill sim backend: auto, cpu or gpu.")
+    sim_backend: Literal["auto", "cpu", "gpu"] = doc("auto", "ManiSkill sim backend: auto, cpu or gpu.")
     control_mode: str = doc("pd_ee_delta_pose", "ManiSkill controller name.")
-    obs_mode: str = doc("rgb", "ManiSkill obs_mode: state (no images; privileged state), rgb, rgbd ...")
+    obs_mode: ManiSkillObsMode = doc("rgb", "ManiSkill obs_mode: state (no images; privileged state), rgb, rgbd ...")
     max_episode_steps: int = doc(50, "Steps after which an episode is truncated.")
     obs: ObsConfig = field(
         default_factory=lambda: ObsConfig(image_size=128, cameras=["base_camera"], state=True),
         metadata={"doc": "Observation settings (cameras are ManiSkill sensor names, e.g. base_camera)."},
     )
-    reward_mode: str = doc("normalized_dense", "ManiSkill reward_mode: sparse, dense, normalized_dense or none.")
+    reward_mode: Literal["sparse", "dense", "normalized_dense", "none"] = doc(
+        "normalized_dense", "ManiSkill reward_mode."
+    )
     render_backend: str = doc("gpu", "ManiSkill render_backend: gpu (falls back to cpu without CUDA), cpu or none.")
-    action_convention: str = doc("vla", "vla: 7-D [delta xyz, delta axis-angle, gripper (+1 closes)] in [-1, 1] "
-                                        "mapped onto the controller; native: the controller's own action vector.")
-    vulkan_icd: str = doc("auto", "Vulkan ICD json for SAPIEN's renderer, or auto ($VK_ICD_FILENAMES, then the "
-                                  "system's ICDs, then the lavapipe unpacked by .ci/setup-sims).")
+    action_convention: Literal["vla", "native"] = doc(
+        "vla",
+        "vla: 7-D [delta xyz, delta axis-angle, gripper (+1 closes)] in [-1, 1] mapped onto the controller; "
+        "native: the controller's own action vector.",
+    )
+    vulkan_icd: str = doc(
+        "auto",
+        "Vulkan ICD json for SAPIEN's renderer, or auto ($VK_ICD_FILENAMES, then the "
+        "system's ICDs, then the lavapipe unpacked by .ci/setup-sims).",
+    )
     instructions: Dict[str, str] = doc({}, "Language instruction per task id, overriding the built-in ones.")
 
 
@@ -112,7 +129,7 @@ class LiberoEnvConfig(EnvConfig):
 
     tasks: List[str] = doc(["libero_spatial"], "LIBERO suite names (libero_spatial, libero_object, ...).")
     task_ids: List[int] = doc([], "Task indices within each suite (empty = all).")
-    mujoco_gl: str = doc("egl", "MUJOCO_GL backend for headless rendering: egl or osmesa.")
+    mujoco_gl: Literal["egl", "osmesa"] = doc("egl", "MUJOCO_GL backend for headless rendering: egl or osmesa.")
     max_episode_steps: int = doc(300, "Steps after which an episode is truncated.")
     settle_steps: int = doc(10, "No-op steps after each reset so objects settle (not counted as episode steps).")
     obs: ObsConfig = field(
@@ -130,8 +147,10 @@ class RoboTwinEnvConfig(EnvConfig):
     root: Optional[str] = doc(None, "Path of the RoboTwin checkout (default: $ROBOTWIN_ROOT).")
     task_config: str = doc("demo_randomized", "RoboTwin task_config name.")
     max_episode_steps: int = doc(300, "Steps after which an episode is truncated.")
-    action_type: str = doc("qpos", "RoboTwin take_action type: qpos (joint targets, 14-D for aloha-agilex) or ee (16-D).")
-    instruction_type: str = doc("seen", "RoboTwin instruction set: seen or unseen.")
+    action_type: Literal["qpos", "ee"] = doc(
+        "qpos", "RoboTwin take_action type: qpos (joint targets, 14-D for aloha-agilex) or ee (16-D)."
+    )
+    instruction_type: Literal["seen", "unseen"] = doc("seen", "RoboTwin instruction set: seen or unseen.")
     expert_check: bool = doc(True, "Skip seeds whose scripted expert fails, as RoboTwin's evaluation does.")
     max_seed_tries: int = doc(20, "Seeds tried per reset before giving up (unstable scenes, failed experts).")
     obs: ObsConfig = field(

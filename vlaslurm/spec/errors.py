@@ -1,4 +1,5 @@
 """The one error type for bad experiment specs."""
+
 from __future__ import annotations
 
 import difflib
@@ -22,8 +23,9 @@ class Location:
 class SpecError(Exception):
     """A user error in a spec: names the dotted field, the file and line, and close valid names."""
 
-    def __init__(self, message: str, key: str = "", location: Optional[Location] = None,
-                 suggestions: Iterable[str] = ()) -> None:
+    def __init__(
+        self, message: str, key: str = "", location: Optional[Location] = None, suggestions: Iterable[str] = ()
+    ) -> None:
         self.message = message
         self.key = key
         self.location = location

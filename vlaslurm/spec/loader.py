@@ -1,7 +1,12 @@
 """Load an experiment spec: compose YAML (pass one), then type it section by
 section with the dataclass registered for its `type` (pass two), then check the
 cross-field rules (`validate.py`). Every error is a `SpecError` with a location.
+
+Typing checks every field against its annotation, `Literal[...]` choices included
+(wherever they sit: plain, Optional, in a list or a dict's values), so a field's
+valid values are written once, in its type.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,16 +37,11 @@ class LoadedSpec:
     files: List[Path]
     overrides: Tuple[str, ...]
     locations: Locations
-    site: Optional["Site"] = None  # the site profile whose defaults lie under the spec (vlaslurm.spec.sites)
+    site: Optional[Site] = None  # the site profile whose defaults lie under the spec (vlaslurm.spec.sites)
 
     def where(self, key: str) -> Location:
         """The location of `key`, or of its nearest written parent, or the spec file."""
-        probe = key
-        while probe:
-            if probe in self.locations:
-                return self.locations[probe]
-            probe = re.sub(r"(\.[^.\[]+|\[\d+\])$", "", probe) if re.search(r"[.\[]", probe) else ""
-        return Location(str(self.path))
+        return nearest(self.locations, key) or Location(str(self.path))
 
     def error(self, key: str, message: str, suggestions: Sequence[str] = ()) -> SpecError:
         """A SpecError for `key` at its location."""
@@ -58,7 +58,7 @@ class LoadedSpec:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-def load_spec(path: str | Path, overrides: Sequence[str] = (), site: "str | Path | Site | None" = None) -> LoadedSpec:
+def load_spec(path: str | Path, overrides: Sequence[str] = (), site: str | Path | Site | None = None) -> LoadedSpec:
     """Load, type and validate a spec file with `key=value` overrides, over a site profile's defaults
     (a site name, a site file, or a loaded Site); raise SpecError."""
     from vlaslurm.spec.sites import Site, check_spec_against_site, load_site
@@ -77,21 +77,35 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), site: "str | Path
     return loaded
 
 
+def nearest(locations: Locations, key: str) -> Optional[Location]:
+    """The location of `key`, or of its nearest written parent (`a.b[2].c` -> `a.b[2]` -> `a.b` -> `a`)."""
+    probe = key
+    while probe:
+        if probe in locations:
+            return locations[probe]
+        probe = re.sub(r"(\.[^.\[]+|\[\d+\])$", "", probe) if re.search(r"[.\[]", probe) else ""
+    return None
+
+
 def _build(data: Dict[str, Any], locations: Locations, path: Path) -> ExperimentSpec:
     def where(key: str) -> Location:
-        return locations.get(key) or Location(str(path))
+        return nearest(locations, key) or Location(str(path))
 
     valid = [f.name for f in dataclasses.fields(ExperimentSpec)]
     for key in data:
         if key not in valid:
-            raise SpecError("unknown section", key=str(key), location=where(str(key)),
-                            suggestions=close_names(str(key), valid))
+            raise SpecError(
+                "unknown section", key=str(key), location=where(str(key)), suggestions=close_names(str(key), valid)
+            )
     sections: Dict[str, Any] = {}
     for f in dataclasses.fields(ExperimentSpec):
         if f.name not in data:
             if f.name in SECTIONS:
-                raise SpecError(f"section is required (with a type: one of {', '.join(known_types(f.name))})",
-                                key=f.name, location=Location(str(path)))
+                raise SpecError(
+                    f"section is required (with a type: one of {', '.join(known_types(f.name))})",
+                    key=f.name,
+                    location=Location(str(path)),
+                )
             continue
         cls = _section_class(f.name, data[f.name], where) if f.name in SECTIONS else f.type
         sections[f.name] = _typed(f.name, cls, data[f.name], where)
@@ -103,13 +117,20 @@ def _section_class(section: str, value: Any, where) -> type:
         raise SpecError("must be a mapping with a type: field", key=section, location=where(section))
     type_name = value.get("type")
     if type_name is None:
-        raise SpecError(f"type is required; known types: {', '.join(known_types(section))}",
-                        key=f"{section}.type", location=where(section))
+        raise SpecError(
+            f"type is required; known types: {', '.join(known_types(section))}",
+            key=f"{section}.type",
+            location=where(section),
+        )
     cls = config_class(section, str(type_name))
     if cls is None:
         types = known_types(section)
-        raise SpecError(f"unknown type {type_name!r}; known types: {', '.join(types)}", key=f"{section}.type",
-                        location=where(f"{section}.type"), suggestions=close_names(str(type_name), types))
+        raise SpecError(
+            f"unknown type {type_name!r}; known types: {', '.join(types)}",
+            key=f"{section}.type",
+            location=where(f"{section}.type"),
+            suggestions=close_names(str(type_name), types),
+        )
     return cls
 
 
@@ -121,6 +142,7 @@ def _typed(section: str, cls: Any, value: Any, where) -> Any:
         return _plain_value(section, cls, value, where)
     if not isinstance(value, dict):
         raise SpecError(f"must be a mapping, got {type(value).__name__}", key=section, location=where(section))
+    _check_choices(cls, value, section, where)
     base = OmegaConf.structured(cls)
     try:
         merged = OmegaConf.merge(base, _escape(value))
@@ -132,10 +154,49 @@ def _typed(section: str, cls: Any, value: Any, where) -> Any:
 
 
 def _plain_value(key: str, typ: Any, value: Any, where) -> Any:
+    _check_choice(typ, value, key, where)
+    if typing.get_origin(typ) is typing.Literal:
+        return value
     if typ is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
         return str(value)
-    raise SpecError(f"must be a {getattr(typ, '__name__', typ)}, got {type(value).__name__}",
-                    key=key, location=where(key))
+    raise SpecError(
+        f"must be a {getattr(typ, '__name__', typ)}, got {type(value).__name__}", key=key, location=where(key)
+    )
+
+
+def _check_choices(cls: Any, value: Dict[str, Any], prefix: str, where) -> None:
+    """Check the user's values in `value` against the `Literal` choices of the dataclass `cls`'s fields, before
+    OmegaConf types them (its message would name neither close names nor the choices as written). Keys `cls` lacks
+    are left to OmegaConf, which names the valid ones."""
+    hints = typing.get_type_hints(cls)
+    for name, item in value.items():
+        if name in hints:
+            _check_choice(hints[name], item, f"{prefix}.{name}", where)
+
+
+def _check_choice(typ: Any, item: Any, key: str, where) -> None:
+    origin, args = typing.get_origin(typ), typing.get_args(typ)
+    if origin is typing.Literal:
+        if item not in args:
+            choices = [str(a) for a in args]
+            raise SpecError(
+                f"must be one of {', '.join(choices)}, got {item!r}",
+                key=key,
+                location=where(key),
+                suggestions=close_names(str(item), choices),
+            )
+    elif origin is typing.Union:
+        options = [a for a in args if a is not type(None)]
+        if item is not None and len(options) == 1:
+            _check_choice(options[0], item, key, where)
+    elif origin in (list, tuple) and isinstance(item, list) and args:
+        for index, element in enumerate(item):
+            _check_choice(args[0], element, f"{key}[{index}]", where)
+    elif origin is dict and isinstance(item, dict) and len(args) == 2:
+        for name, element in item.items():
+            _check_choice(args[1], element, f"{key}.{name}", where)
+    elif dataclasses.is_dataclass(typ) and isinstance(item, dict):
+        _check_choices(typ, item, key, where)
 
 
 def _spec_error(section: str, base: Any, exc: OmegaConfBaseException, where) -> SpecError:
@@ -146,8 +207,12 @@ def _spec_error(section: str, base: Any, exc: OmegaConfBaseException, where) -> 
         parent, _, name = full_key.rpartition(".")
         node = OmegaConf.select(base, parent) if parent else base
         valid = list(node.keys()) if hasattr(node, "keys") else []
-        return SpecError(f"unknown key {name!r}; valid keys: {', '.join(map(str, valid))}", key=key,
-                         location=where(key), suggestions=close_names(name, map(str, valid)))
+        return SpecError(
+            f"unknown key {name!r}; valid keys: {', '.join(map(str, valid))}",
+            key=key,
+            location=where(key),
+            suggestions=close_names(name, map(str, valid)),
+        )
     message = str(getattr(exc, "msg", "") or exc).splitlines()[0]
     return SpecError(_friendly(message), key=key, location=where(key))
 
@@ -182,5 +247,4 @@ def _check_scalar_elements(obj: Any, prefix: str, where) -> None:
         for index, item in items:
             if isinstance(item, (list, dict)):
                 item_key = f"{key}.{index}" if isinstance(value, dict) else f"{key}[{index}]"
-                raise SpecError("must be a single value, not a list or mapping", key=item_key,
-                                location=where(item_key))
+                raise SpecError("must be a single value, not a list or mapping", key=item_key, location=where(item_key))

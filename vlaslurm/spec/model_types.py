@@ -1,8 +1,9 @@
 """Config dataclasses for each registered `model.type`."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional
 
 from vlaslurm.spec.registry import doc, register
 
@@ -15,7 +16,7 @@ class ModelConfig:
     path: Optional[str] = doc(None, "Checkpoint folder loaded with from_pretrained (None = random init).")
     action_chunk: int = doc(1, "Actions predicted per forward pass (executed open-loop).")
     action_dim: int = doc(7, "Dimensions of one action (overridden by the simulator when it knows).")
-    precision: str = doc("fp32", "Compute precision: fp32, bf16 or fp16.")
+    precision: Literal["fp32", "bf16", "fp16"] = doc("fp32", "Compute precision: fp32, bf16 or fp16.")
 
 
 @dataclass
@@ -51,7 +52,9 @@ class OpenVLAOFTConfig(ModelConfig):
     """OpenVLA-OFT-style policy: a chunk of continuous actions decoded in parallel, Gaussian head."""
 
     backbone: BackboneConfig = field(default_factory=BackboneConfig, metadata={"doc": "Backbone size."})
-    std: str = doc("learned", "Action std: 'learned' (state-independent parameter) or 'scheduled'.")
+    std: Literal["learned", "scheduled"] = doc(
+        "learned", "Action std: learned (a state-independent parameter) or scheduled."
+    )
     init_std: float = doc(0.5, "Initial action standard deviation.")
     final_std: float = doc(0.1, "Final std when std is 'scheduled' (linear over the run).")
     init_seed: int = doc(0, "Seed of the random initialisation when path is None (equal on every rank).")

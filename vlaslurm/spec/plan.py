@@ -1,31 +1,20 @@
-"""From a spec to a hetjob plan: which nodes form each component, and which
-`srun` steps run on them.
+"""From a spec to a hetjob plan: which nodes form each component, and which `srun` steps run on them.
 
-A component is one group of nodes with one partition and node shape. Roles that
-share a `resources.<role>.group` run as parallel `--exact` steps inside one
-component, each with its own GPUs; the group's component has as many nodes as
-the smallest of its roles, and a role with more nodes gets its extra nodes (same
-per-node shape) as a component of its own, its one step spanning both. The
-layout decides the rest:
-- disaggregated: every role on its own GPUs;
-- collocated: one component; generator and trainer steps `--overlap` the
-  simulator's GPUs (they take turns between rollout phases);
-- hybrid: simulator and generator on their own GPUs, the trainer one `--overlap`
-  step over all their components, one rank per GPU (it trains between rollouts).
-
-An eval job (`vlaslurm eval`, kind "eval") is the same plan without the trainer: simulator and
-generator components and steps only, the generator serving `model.path` frozen.
-
-A step spanning several components is one `srun` in colon form, one part per
-component, so each part has its own task and GPU counts (slurm 22.05 ignores
---ntasks for `srun --het-group=0,1` and launches each component's own count).
+A component is one group of nodes with one partition and node shape; roles that share a
+`resources.<role>.group` run as parallel `--exact` steps in it. The layout decides the rest
+(disaggregated, collocated, hybrid); an eval job is the same plan without the trainer. A step over
+several components is one `srun` in colon form, one part per component.
+Details: docs/slurm.md
 """
+
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
-from vlaslurm.spec import LoadedSpec, RoleResources
+from vlaslurm.spec.loader import LoadedSpec
+from vlaslurm.spec.schema import RoleResources
 
 ROLE_ORDER = ("simulator", "generator", "trainer")
 JOB_ROLES = {"train": ROLE_ORDER, "eval": ("simulator", "generator")}  # the roles each kind of job runs
@@ -194,8 +183,15 @@ def _exclusive_step(spec, role: str, comps: List[Component]) -> Step:
 def _overlap_step(spec, role: str, comps: List[Component], per_gpu: bool) -> Step:
     """A step over every GPU of `comps`: one rank per GPU (hybrid trainer) or the role's tasks_per_node."""
     res: RoleResources = spec.role_resources(role)
-    parts = tuple(StepPart(c.index, c.nodes, (c.gpus_per_node or res.tasks_per_node) if per_gpu
-                           else res.tasks_per_node, c.gpus_per_node) for c in comps)
+    parts = tuple(
+        StepPart(
+            c.index,
+            c.nodes,
+            (c.gpus_per_node or res.tasks_per_node) if per_gpu else res.tasks_per_node,
+            c.gpus_per_node,
+        )
+        for c in comps
+    )
     return Step(role, parts, res.cpus_per_task, True)
 
 
@@ -207,7 +203,81 @@ def _total_mem(values: List[Optional[str]]) -> Optional[str]:
     return f"{int(sum(_mem_mb(v) for v in sized))}M"
 
 
-def _mem_mb(value: str) -> float:
+# Whether a plan can ever start on some nodes. Slurm starts a hetjob only when every component can have its
+# own free nodes at once, even if two components could share one; so the check assigns distinct nodes.
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node as sinfo reports it."""
+
+    name: str
+    partitions: FrozenSet[str]
+    cpus: int
+    mem_mb: int
+    gpus: int
+    features: FrozenSet[str]
+
+
+def check_fits(loaded: LoadedSpec, plan: HetjobPlan, nodes: List[Node], default: Optional[str]) -> None:
+    """Raise SpecError, naming the role's fields, when some component can never be scheduled."""
+    taken: set = set()
+    # Most demanding components first, so a greedy choice rarely blocks a later one.
+    for comp in sorted(plan.components, key=lambda c: (-c.gpus_per_node, -c.cpus_per_node)):
+        fitting = [n for n in nodes if _fits(comp, n, default)]
+        free = [n for n in fitting if n.name not in taken]
+        role = comp.roles[0]
+        if len(fitting) < comp.nodes:
+            raise loaded.error(f"resources.{role}", _why_not(comp, nodes, fitting, default))
+        if len(free) < comp.nodes:
+            raise loaded.error(
+                f"resources.{role}",
+                f"component {comp.index} ({'+'.join(comp.roles)}) needs {comp.nodes} node(s) of its own, but the "
+                f"other components already take {len(fitting) - len(free)} of the {len(fitting)} that fit: a hetjob "
+                f"starts only when each component has its own free nodes ({len(plan.components)} components need "
+                f"{sum(c.nodes for c in plan.components)} nodes)",
+            )
+        taken.update(n.name for n in free[: comp.nodes])
+
+
+def _fits(comp: Component, node: Node, default: Optional[str]) -> bool:
+    partition = comp.partition or default
+    return (
+        (partition is None or partition in node.partitions)
+        and node.cpus >= comp.cpus_per_node
+        and node.gpus >= comp.gpus_per_node
+        and (not comp.mem or node.mem_mb >= _mem_mb(comp.mem))
+        and (not comp.constraint or _constraint_ok(comp.constraint, node.features))
+    )
+
+
+def _constraint_ok(constraint: str, features: FrozenSet[str]) -> bool:
+    # Slurm's syntax: '&' and ',' both mean AND, '|' OR; brackets and counts are left to Slurm.
+    if re.search(r"[\[\]*]", constraint):
+        return True
+    return all(any(alt in features for alt in part.split("|")) for part in re.split(r"[&,]", constraint))
+
+
+def _mem_mb(value: str) -> int:
     units = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}
     unit = value[-1].upper()
-    return float(value[:-1]) * units[unit] if unit in units else float(value)
+    return int(float(value[:-1]) * units[unit]) if unit in units else int(value)
+
+
+def _why_not(comp: Component, nodes: List[Node], fitting: List[Node], default: Optional[str]) -> str:
+    partition = comp.partition or default
+    in_partition = [n for n in nodes if partition is None or partition in n.partitions]
+    need = (
+        f"{comp.nodes} node(s) with {comp.cpus_per_node} CPUs, {comp.gpus_per_node} GPUs"
+        + (f", {comp.mem}" if comp.mem else "")
+        + (f", constraint {comp.constraint}" if comp.constraint else "")
+    )
+    if not in_partition:
+        known = sorted({p for n in nodes for p in n.partitions})
+        return f"partition {partition!r} does not exist; partitions: {', '.join(known)}"
+    best = max(in_partition, key=lambda n: (n.gpus, n.cpus))
+    return (
+        f"component {comp.index} ({'+'.join(comp.roles)}) needs {need} in partition {partition!r}, but only "
+        f"{len(fitting)} node(s) there fit (largest: {best.name} with {best.cpus} CPUs, {best.gpus} GPUs, "
+        f"{best.mem_mb} MB, features {','.join(sorted(best.features)) or 'none'})"
+    )

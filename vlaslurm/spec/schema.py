@@ -3,22 +3,32 @@
 `env`, `model` and `algo` are typed by their registered `type` (see
 `env_types.py`, `model_types.py`, `algo_types.py`); the loader picks the class.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Literal, Optional, get_args
 
 from vlaslurm.spec.algo_types import AlgoConfig
 from vlaslurm.spec.env_types import EnvConfig
 from vlaslurm.spec.model_types import ModelConfig
 from vlaslurm.spec.registry import doc
 
-MODES = ("sync", "pipelined", "async")
-STALE_POLICIES = ("drop", "hold")
-WEIGHT_SYNCS = ("nccl", "filesystem")
-LAYOUTS = ("collocated", "disaggregated", "hybrid")
-PLACEMENTS = ("manual", "auto")
-ROLES = ("simulator", "generator", "trainer")
+# The choices of enum-like fields: the loader checks them (and names them in its errors) from the type.
+Mode = Literal["sync", "pipelined", "async"]
+StalePolicy = Literal["drop", "hold"]
+WeightSync = Literal["nccl", "filesystem"]
+Layout = Literal["collocated", "disaggregated", "hybrid"]
+Placement = Literal["manual", "auto"]
+Role = Literal["simulator", "generator", "trainer"]
+ContainerRuntime = Literal["pyxis", "apptainer"]
+MODES: tuple = get_args(Mode)
+STALE_POLICIES: tuple = get_args(StalePolicy)
+WEIGHT_SYNCS: tuple = get_args(WeightSync)
+LAYOUTS: tuple = get_args(Layout)
+PLACEMENTS: tuple = get_args(Placement)
+ROLES: tuple = get_args(Role)
+CONTAINER_RUNTIMES: tuple = get_args(ContainerRuntime)
 
 
 @dataclass
@@ -33,17 +43,19 @@ class BatchingConfig:
 class RolloutConfig:
     """How simulators, generators and trainer run together."""
 
-    mode: str = doc("sync", "sync | pipelined | async.")
+    mode: Mode = doc("sync", "sync | pipelined | async.")
     pipeline_depth: int = doc(1, "Sub-groups per simulator pipelined against the generator (pipelined mode).")
     max_staleness: int = doc(0, "Largest policy-version lag a used sample may have (0 = on-policy).")
-    stale_policy: str = doc("drop", "What happens past max_staleness: drop the sample, or hold the generator.")
-    weight_sync: str = doc("nccl", "How weights reach generators: nccl (a process group) or filesystem.")
+    stale_policy: StalePolicy = doc("drop", "Past max_staleness: drop the sample, or hold the generator.")
+    weight_sync: WeightSync = doc("nccl", "How weights reach generators: nccl (a process group) or filesystem.")
     total_env_steps: int = doc(100_000, "Env steps after which the run ends.")
     seed: int = doc(0, "Seed of environments, models and sampling.")
     batching: BatchingConfig = field(default_factory=BatchingConfig, metadata={"doc": "Dynamic batching."})
 
-
-CONTAINER_RUNTIMES = ("pyxis", "apptainer")
+    @property
+    def depth(self) -> int:
+        """Sub-groups per simulator rank: pipeline_depth in pipelined mode, else 1."""
+        return self.pipeline_depth if self.mode == "pipelined" else 1
 
 
 @dataclass
@@ -53,9 +65,14 @@ class ContainerConfig:
     The run directory (with its rendezvous) and the code are always mounted at their own paths;
     the image must hold vlaslurm's dependencies, the code comes from the mount."""
 
-    image: Optional[str] = doc(None, "Image: pyxis takes docker://..., a registry name or a .sqsh file; "
-                                     "Apptainer a .sif file or docker://...; None = no container.")
-    runtime: Optional[str] = doc(None, "pyxis | apptainer; None = the site's container.runtime, else pyxis.")
+    image: Optional[str] = doc(
+        None,
+        "Image: pyxis takes docker://..., a registry name or a .sqsh file; "
+        "Apptainer a .sif file or docker://...; None = no container.",
+    )
+    runtime: Optional[ContainerRuntime] = doc(
+        None, "pyxis | apptainer; None = the site's container.runtime, else pyxis."
+    )
     mounts: List[str] = doc([], "Further mounts SRC[:DST[:FLAGS]] (DST defaults to SRC).")
     python: str = doc("python3", "Python interpreter inside the image.")
     options: List[str] = doc([], "Further flags of the runtime, e.g. --container-remap-root or --writable-tmpfs.")
@@ -72,10 +89,14 @@ class RoleResources:
     mem: Optional[str] = doc(None, "Memory per node, Slurm syntax (e.g. 200G); None = Slurm default.")
     partition: Optional[str] = doc(None, "Partition; None = slurm.partition.")
     constraint: Optional[str] = doc(None, "Slurm --constraint, e.g. h100.")
-    gpu_type: Optional[str] = doc(None, "Portable GPU type (e.g. h100); the site profile spells it as "
-                                        "--constraint and/or a typed --gres.")
-    group: Optional[str] = doc(None, "Roles with the same group share one component's nodes as parallel steps; "
-                                     "a role with more nodes than the others gets the rest as its own component.")
+    gpu_type: Optional[str] = doc(
+        None, "Portable GPU type (e.g. h100); the site profile spells it as --constraint and/or a typed --gres."
+    )
+    group: Optional[str] = doc(
+        None,
+        "Roles with the same group share one component's nodes as parallel steps; "
+        "a role with more nodes than the others gets the rest as its own component.",
+    )
     max_restarts: int = doc(0, "Times a dead worker of this role is restarted.")
     container: ContainerConfig = field(default_factory=ContainerConfig, metadata={"doc": "Container of the role."})
 
@@ -84,15 +105,15 @@ class RoleResources:
 class AutoPlacementConfig:
     """Limits for the auto-placement profiler."""
 
-    modes: List[str] = doc([], "Rollout modes the profiler may choose (empty = only rollout.mode).")
+    modes: List[Mode] = doc([], "Rollout modes the profiler may choose (empty = only rollout.mode).")
 
 
 @dataclass
 class ResourcesConfig:
     """Where each role runs."""
 
-    placement: str = doc("manual", "manual | auto (the profiler decides).")
-    layout: str = doc("disaggregated", "collocated | disaggregated | hybrid GPU layout.")
+    placement: Placement = doc("manual", "manual | auto (the profiler decides).")
+    layout: Layout = doc("disaggregated", "collocated | disaggregated | hybrid GPU layout.")
     simulator: RoleResources = field(default_factory=RoleResources, metadata={"doc": "Simulator resources."})
     generator: RoleResources = field(default_factory=RoleResources, metadata={"doc": "Generator resources."})
     trainer: RoleResources = field(default_factory=RoleResources, metadata={"doc": "Trainer resources."})
@@ -117,8 +138,11 @@ class TrackingConfig:
 
     uri: Optional[str] = doc(None, "MLflow tracking URI; None = SQLite database under the runs root.")
     experiment: str = doc("vlaslurm", "MLflow experiment name.")
-    failures_per_task: int = doc(3, "Failed episodes kept per task as animated GIFs (failures/<task>/, logged to "
-                                    "MLflow) when the env has images; 0 = none.")
+    failures_per_task: int = doc(
+        3,
+        "Failed episodes kept per task as animated GIFs (failures/<task>/, logged to "
+        "MLflow) when the env has images; 0 = none.",
+    )
 
 
 @dataclass

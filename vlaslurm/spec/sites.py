@@ -1,40 +1,33 @@
 """Site profiles: what belongs to the cluster, not to the experiment.
 
-A site is a YAML file chosen by `--site NAME` (or `$VLASLURM_SITE`), looked up as
-`NAME.yaml` in `$XDG_CONFIG_HOME/vlaslurm/sites/` (default `~/.config/vlaslurm/sites/`)
-and then in the package's `vlaslurm/sites/`; a path to a file works too, and `none`
-means no site. It holds:
-
-- `defaults`: a partial spec merged UNDER the spec (the spec and overrides win), each
-  key keeping the site file's line, so errors about it point at the site;
-- `container`: the runtime, mounts and flags every role's container starts from
-  (also defaults under `resources.<role>.container`);
-- `partitions` (node shapes) and `gpu_types` (how `resources.<role>.gpu_type` is
-  spelt as `--constraint` and/or a typed `--gres`), checked against the spec;
-- `exclusive` (never | gpu | always), `setup` lines run before the spec's own,
-  `scratch` (exported as VLASLURM_SCRATCH and mounted into containers) and
-  `runs_root` (the default runs root while this site is selected).
+A site is a YAML file chosen by `--site NAME` (or `$VLASLURM_SITE`), looked up in
+`$XDG_CONFIG_HOME/vlaslurm/sites/` and then `vlaslurm/sites/` (a path works too; `none`: no site).
+It holds spec `defaults` (merged under the spec), the `container` defaults, `partitions` and
+`gpu_types`, `exclusive`, `setup`, `scratch` and `runs_root`.
+Details: docs/slurm.md
 """
+
 from __future__ import annotations
 
 import copy
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Tuple, get_args
 
 from vlaslurm.spec.compose import Locations, _read_yaml
 from vlaslurm.spec.errors import COMMAND_LINE, Location, SpecError, close_names
 from vlaslurm.spec.registry import doc
+from vlaslurm.spec.schema import ContainerRuntime
 
 if TYPE_CHECKING:
-    from vlaslurm.slurm.cluster import Node
-    from vlaslurm.slurm.plan import HetjobPlan
     from vlaslurm.spec.loader import LoadedSpec
+    from vlaslurm.spec.plan import HetjobPlan, Node
 
 SITE_ENV = "VLASLURM_SITE"
 PACKAGE_SITES = Path(__file__).resolve().parent.parent / "sites"
-EXCLUSIVE = ("never", "gpu", "always")
+Exclusive = Literal["never", "gpu", "always"]
+EXCLUSIVE: Tuple[str, ...] = get_args(Exclusive)
 ROLES = ("simulator", "generator", "trainer")
 
 
@@ -62,7 +55,7 @@ class GpuType:
 class SiteContainer:
     """Container settings every role starts from (defaults under resources.<role>.container)."""
 
-    runtime: Optional[str] = doc(None, "pyxis | apptainer.")
+    runtime: Optional[ContainerRuntime] = doc(None, "pyxis | apptainer.")
     image: Optional[str] = doc(None, "A site-wide image; None = no container unless the spec names one.")
     mounts: List[str] = doc([], "Mounts SRC[:DST[:FLAGS]] of every container.")
     python: Optional[str] = doc(None, "Python inside the image.")
@@ -76,7 +69,7 @@ class SiteConfig:
     description: str = doc("", "What cluster this is.")
     partitions: Dict[str, PartitionShape] = doc({}, "Partitions and their node shapes.")
     gpu_types: Dict[str, GpuType] = doc({}, "GPU types and their --constraint/--gres spelling.")
-    exclusive: str = doc("never", "never | gpu (components with GPUs) | always: #SBATCH --exclusive.")
+    exclusive: Exclusive = doc("never", "never | gpu (components with GPUs) | always: #SBATCH --exclusive.")
     setup: List[str] = doc([], "Shell lines run before the spec's slurm.setup (module load ...).")
     scratch: Optional[str] = doc(None, "Scratch folder; $VARS and ~ expand at load. Exported as VLASLURM_SCRATCH.")
     runs_root: Optional[str] = doc(None, "Default runs root with this site; $VARS and ~ expand at load.")
@@ -100,7 +93,7 @@ class Site:
     def spec_defaults(self) -> Tuple[Dict[str, Any], Locations]:
         """The partial spec this site puts under every spec, with site-file locations per dotted key."""
         data = copy.deepcopy(self.config.defaults)
-        locations = {k[len("defaults."):]: v for k, v in self.locations.items() if k.startswith("defaults.")}
+        locations = {k[len("defaults.") :]: v for k, v in self.locations.items() if k.startswith("defaults.")}
         written = self.raw_container
         if written:
             resources = data.setdefault("resources", {})
@@ -118,15 +111,26 @@ class Site:
     def gpu_spelling(self, gpu_type: str) -> GpuType:
         return self.config.gpu_types.get(gpu_type) or GpuType(constraint=gpu_type)
 
-    def nodes(self) -> List["Node"]:
+    def nodes(self) -> List[Node]:
         """One Node per partition (its shape), for an offline fit check."""
-        from vlaslurm.slurm.cluster import Node
+        from vlaslurm.spec.plan import Node
 
         nodes = []
         for name, p in self.config.partitions.items():
-            features = {p.gpu_type, *(self.gpu_spelling(p.gpu_type).constraint or "").split("&")} if p.gpu_type else set()
-            nodes += [Node(f"{name}-{i}", frozenset({name}), p.cpus, _mem_mb(p.mem), p.gpus,
-                           frozenset(f for f in features if f)) for i in range(p.nodes)]
+            features = (
+                {p.gpu_type, *(self.gpu_spelling(p.gpu_type).constraint or "").split("&")} if p.gpu_type else set()
+            )
+            nodes += [
+                Node(
+                    f"{name}-{i}",
+                    frozenset({name}),
+                    p.cpus,
+                    _mem_mb(p.mem),
+                    p.gpus,
+                    frozenset(f for f in features if f),
+                )
+                for i in range(p.nodes)
+            ]
         return nodes
 
     def default_partition(self) -> Optional[str]:
@@ -161,8 +165,12 @@ def find_site(name: str) -> Path:
         if path.is_file():
             return path
     known = available_sites()
-    raise SpecError(f"no site {name!r} in {', '.join(map(str, site_dirs()))}; sites: {', '.join(known) or 'none'}",
-                    key="site", location=Location(COMMAND_LINE), suggestions=close_names(name, known))
+    raise SpecError(
+        f"no site {name!r} in {', '.join(map(str, site_dirs()))}; sites: {', '.join(known) or 'none'}",
+        key="site",
+        location=Location(COMMAND_LINE),
+        suggestions=close_names(name, known),
+    )
 
 
 def load_site(name_or_path: str | Path) -> Site:
@@ -176,13 +184,15 @@ def load_site(name_or_path: str | Path) -> Site:
 
     defaults = raw.pop("defaults", {})
     if not isinstance(defaults, dict):
-        raise SpecError("must be a mapping: a partial spec (slurm:, resources:, ...)", key="defaults",
-                        location=where("defaults"))
+        raise SpecError(
+            "must be a mapping: a partial spec (slurm:, resources:, ...)", key="defaults", location=where("defaults")
+        )
     try:
         config = _typed("site", SiteConfig, raw, where)
     except SpecError as exc:
-        raise SpecError(exc.message, key=exc.key.removeprefix("site."), location=exc.location,
-                        suggestions=exc.suggestions) from None
+        raise SpecError(
+            exc.message, key=exc.key.removeprefix("site."), location=exc.location, suggestions=exc.suggestions
+        ) from None
     config.defaults = defaults
     site = Site(path.stem, path, config, locations, raw_container=dict(raw.get("container") or {}))
     _check_site(site)
@@ -195,24 +205,25 @@ def load_site(name_or_path: str | Path) -> Site:
 
 def _check_site(site: Site) -> None:
     config = site.config
-    if config.exclusive not in EXCLUSIVE:
-        raise SpecError(f"must be one of {', '.join(EXCLUSIVE)}, got {config.exclusive!r}", key="exclusive",
-                        location=site.where("exclusive"), suggestions=close_names(config.exclusive, EXCLUSIVE))
     defaults = [name for name, p in config.partitions.items() if p.default]
     if len(defaults) > 1:
-        raise SpecError(f"only one partition can be the default, got {', '.join(defaults)}",
-                        key=f"partitions.{defaults[1]}.default", location=site.where(f"partitions.{defaults[1]}.default"))
+        raise SpecError(
+            f"only one partition can be the default, got {', '.join(defaults)}",
+            key=f"partitions.{defaults[1]}.default",
+            location=site.where(f"partitions.{defaults[1]}.default"),
+        )
     for name, shape in config.partitions.items():
         if shape.gpu_type and config.gpu_types and shape.gpu_type not in config.gpu_types:
             key = f"partitions.{name}.gpu_type"
-            raise SpecError(f"unknown GPU type {shape.gpu_type!r}; gpu_types: {', '.join(config.gpu_types)}",
-                            key=key, location=site.where(key), suggestions=close_names(shape.gpu_type, config.gpu_types))
-    if config.container.runtime not in (None, "pyxis", "apptainer"):
-        raise SpecError(f"must be pyxis or apptainer, got {config.container.runtime!r}", key="container.runtime",
-                        location=site.where("container.runtime"))
+            raise SpecError(
+                f"unknown GPU type {shape.gpu_type!r}; gpu_types: {', '.join(config.gpu_types)}",
+                key=key,
+                location=site.where(key),
+                suggestions=close_names(shape.gpu_type, config.gpu_types),
+            )
 
 
-def check_spec_against_site(loaded: "LoadedSpec") -> None:
+def check_spec_against_site(loaded: LoadedSpec) -> None:
     """The spec's partitions and GPU types must be ones the site knows (when the site lists any)."""
     site = loaded.site
     if site is None:
@@ -220,18 +231,26 @@ def check_spec_against_site(loaded: "LoadedSpec") -> None:
     partitions, gpu_types = site.config.partitions, site.config.gpu_types
     for role in ROLES:
         res = loaded.spec.role_resources(role)
-        key, partition = (f"resources.{role}.partition", res.partition) if res.partition else \
-            ("slurm.partition", loaded.spec.slurm.partition)
+        key, partition = (
+            (f"resources.{role}.partition", res.partition)
+            if res.partition
+            else ("slurm.partition", loaded.spec.slurm.partition)
+        )
         if partitions and partition and partition not in partitions:
-            raise loaded.error(key, f"site {site.name} has no partition {partition!r}; partitions: "
-                                    f"{', '.join(partitions)}", suggestions=close_names(partition, partitions))
+            raise loaded.error(
+                key,
+                f"site {site.name} has no partition {partition!r}; partitions: {', '.join(partitions)}",
+                suggestions=close_names(partition, partitions),
+            )
         if gpu_types and res.gpu_type and res.gpu_type not in gpu_types:
-            raise loaded.error(f"resources.{role}.gpu_type", f"site {site.name} has no GPU type {res.gpu_type!r}; "
-                                                             f"gpu_types: {', '.join(gpu_types)}",
-                               suggestions=close_names(res.gpu_type, gpu_types))
+            raise loaded.error(
+                f"resources.{role}.gpu_type",
+                f"site {site.name} has no GPU type {res.gpu_type!r}; gpu_types: {', '.join(gpu_types)}",
+                suggestions=close_names(res.gpu_type, gpu_types),
+            )
 
 
-def site_additions(loaded: "LoadedSpec") -> List[Tuple[str, Any, Location]]:
+def site_additions(loaded: LoadedSpec) -> List[Tuple[str, Any, Location]]:
     """(dotted key, value, site location) of every leaf value the site put into the spec."""
     site = loaded.site
     if site is None:
@@ -243,7 +262,7 @@ def site_additions(loaded: "LoadedSpec") -> List[Tuple[str, Any, Location]]:
     return [(key, _lookup(loaded.spec, key), loaded.locations[key]) for key in sorted(leaves)]
 
 
-def describe(loaded: "LoadedSpec", plan: "HetjobPlan") -> List[str]:
+def describe(loaded: LoadedSpec, plan: HetjobPlan) -> List[str]:
     """What `vlaslurm plan` prints about the site: where it is, what it added, and whether the plan fits its shapes."""
     site = loaded.site
     if site is None:
@@ -255,15 +274,17 @@ def describe(loaded: "LoadedSpec", plan: "HetjobPlan") -> List[str]:
     for line in config.setup:
         lines.append(f"  setup   {line}")
     for comp in plan.components:
-        extras = [f"--constraint={comp.constraint}" if comp.constraint else "",
-                  f"--gres=gpu:{comp.gres_type}:{comp.gpus_per_node}" if comp.gres_type and comp.gpus_per_node else "",
-                  "--exclusive" if comp.exclusive else ""]
+        extras = [
+            f"--constraint={comp.constraint}" if comp.constraint else "",
+            f"--gres=gpu:{comp.gres_type}:{comp.gpus_per_node}" if comp.gres_type and comp.gpus_per_node else "",
+            "--exclusive" if comp.exclusive else "",
+        ]
         if any(extras):
             lines.append(f"  comp {comp.index} {' '.join(e for e in extras if e)}")
     if config.scratch:
         lines.append(f"  scratch {config.scratch} (VLASLURM_SCRATCH)")
     if config.partitions:
-        from vlaslurm.slurm.cluster import check_fits
+        from vlaslurm.spec.plan import check_fits
 
         try:
             for comp in plan.components:  # one at a time: the shapes say nothing about which nodes are shared
@@ -274,7 +295,7 @@ def describe(loaded: "LoadedSpec", plan: "HetjobPlan") -> List[str]:
     return lines
 
 
-def _one(plan: "HetjobPlan", comp) -> "HetjobPlan":
+def _one(plan: HetjobPlan, comp) -> HetjobPlan:
     from dataclasses import replace
 
     return replace(plan, components=(comp,))
@@ -292,7 +313,6 @@ def _mem_mb(value: Optional[str]) -> int:
     units = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}
     unit = value[-1].upper()
     return int(float(value[:-1]) * units[unit]) if unit in units else int(value)
-
 
 
 def site_runs_root(cli_value: Optional[str]) -> Optional[str]:

@@ -1,15 +1,18 @@
-"""Pass three of loading: rules that span fields, checked once at load."""
+"""Pass three of loading: rules that span fields, checked once at load.
+
+A field's own choices are its `Literal` type, checked while typing (`loader.py`), not here."""
+
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, cast
 
-from vlaslurm.spec.algo_types import GRPO_ADVANTAGES
 from vlaslurm.spec.errors import close_names
-from vlaslurm.spec.schema import (CONTAINER_RUNTIMES, LAYOUTS, MODES, PLACEMENTS, ROLES, STALE_POLICIES,
-                                  WEIGHT_SYNCS)
+from vlaslurm.spec.schema import ROLES
 
 if TYPE_CHECKING:
+    from vlaslurm.spec.algo_types import GRPOConfig
+    from vlaslurm.spec.env_types import SyntheticEnvConfig
     from vlaslurm.spec.loader import LoadedSpec
 
 _SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
@@ -17,20 +20,21 @@ _SLURM_MEM = re.compile(r"^\d+[KMGT]?$", re.IGNORECASE)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-def validate(loaded: "LoadedSpec") -> None:
+def validate(loaded: LoadedSpec) -> None:
     """Raise the first SpecError found in `loaded`."""
-    for check in (_check_name, _check_enums, _check_counts, _check_env, _check_algo,
-                  _check_resources, _check_mode_layout, _check_slurm):
+    for check in (
+        _check_name,
+        _check_counts,
+        _check_env,
+        _check_algo,
+        _check_resources,
+        _check_mode_layout,
+        _check_slurm,
+    ):
         check(loaded)
 
 
-def _choice(loaded: "LoadedSpec", key: str, value: str, allowed: Sequence[str]) -> None:
-    if value not in allowed:
-        raise loaded.error(key, f"must be one of {', '.join(allowed)}, got {value!r}",
-                           suggestions=close_names(value, allowed))
-
-
-def _positive(loaded: "LoadedSpec", keys: Iterable[str], minimum: float = 1) -> None:
+def _positive(loaded: LoadedSpec, keys: Iterable[str], minimum: float = 1) -> None:
     for key in keys:
         value = _get(loaded.spec, key)
         if value < minimum:
@@ -43,104 +47,112 @@ def _get(obj: object, dotted: str):
     return obj
 
 
-def _check_name(loaded: "LoadedSpec") -> None:
+def _check_name(loaded: LoadedSpec) -> None:
     # The name becomes a directory and a Slurm job name; keep it free of shell and path characters.
     if not _NAME.match(loaded.spec.name):
         raise loaded.error("name", "may contain only letters, digits, '.', '_' and '-' (it names folders and jobs)")
 
 
-def _check_enums(loaded: "LoadedSpec") -> None:
-    s = loaded.spec
-    _choice(loaded, "rollout.mode", s.rollout.mode, MODES)
-    _choice(loaded, "rollout.stale_policy", s.rollout.stale_policy, STALE_POLICIES)
-    _choice(loaded, "rollout.weight_sync", s.rollout.weight_sync, WEIGHT_SYNCS)
-    _choice(loaded, "resources.layout", s.resources.layout, LAYOUTS)
-    _choice(loaded, "resources.placement", s.resources.placement, PLACEMENTS)
-    _choice(loaded, "model.precision", s.model.precision, ("fp32", "bf16", "fp16"))
-    _choice(loaded, "algo.logprob_level", s.algo.logprob_level, ("token", "action", "chunk"))
-    _choice(loaded, "algo.offpolicy_correction", s.algo.offpolicy_correction, ("none", "decoupled", "tis"))
-    for index, mode in enumerate(s.resources.auto.modes):
-        _choice(loaded, f"resources.auto.modes[{index}]", mode, MODES)
-    if hasattr(s.algo, "advantage"):
-        _choice(loaded, "algo.advantage", s.algo.advantage, GRPO_ADVANTAGES)
-    if hasattr(s.algo, "value_level"):
-        _choice(loaded, "algo.value_level", s.algo.value_level, ("action", "chunk"))
-    if hasattr(s.model, "std"):
-        _choice(loaded, "model.std", s.model.std, ("learned", "scheduled"))
-
-
-def _check_counts(loaded: "LoadedSpec") -> None:
-    _positive(loaded, ["env.num_envs", "env.max_episode_steps", "rollout.total_env_steps", "rollout.pipeline_depth",
-                       "rollout.batching.max_batch", "model.action_chunk", "model.action_dim", "algo.steps_per_update",
-                       "algo.epochs", "algo.minibatches", "checkpoint.every_versions", "checkpoint.keep"])
-    _positive(loaded, ["rollout.max_staleness", "rollout.batching.max_wait_ms", "env.obs.image_size",
-                       "tracking.failures_per_task"], minimum=0)
+def _check_counts(loaded: LoadedSpec) -> None:
+    _positive(
+        loaded,
+        [
+            "env.num_envs",
+            "env.max_episode_steps",
+            "rollout.total_env_steps",
+            "rollout.pipeline_depth",
+            "rollout.batching.max_batch",
+            "model.action_chunk",
+            "model.action_dim",
+            "algo.steps_per_update",
+            "algo.epochs",
+            "algo.minibatches",
+            "checkpoint.every_versions",
+            "checkpoint.keep",
+        ],
+    )
+    _positive(
+        loaded,
+        ["rollout.max_staleness", "rollout.batching.max_wait_ms", "env.obs.image_size", "tracking.failures_per_task"],
+        minimum=0,
+    )
     _positive(loaded, ["runtime.first_meeting_timeout_s", "runtime.timeout_s"], minimum=1)
     if loaded.spec.algo.lr <= 0:
         raise loaded.error("algo.lr", f"must be greater than 0, got {loaded.spec.algo.lr}")
     for role, count in loaded.spec.runtime.local_ranks.items():
         if role not in ROLES:
-            raise loaded.error(f"runtime.local_ranks.{role}", f"unknown role; roles: {', '.join(ROLES)}",
-                               suggestions=close_names(role, ROLES))
+            raise loaded.error(
+                f"runtime.local_ranks.{role}",
+                f"unknown role; roles: {', '.join(ROLES)}",
+                suggestions=close_names(role, ROLES),
+            )
         if count < 1:
             raise loaded.error(f"runtime.local_ranks.{role}", f"must be at least 1, got {count}")
 
 
-def _check_env(loaded: "LoadedSpec") -> None:
+def _check_env(loaded: LoadedSpec) -> None:
     env = loaded.spec.env
     if not env.tasks:
         raise loaded.error("env.tasks", "must name at least one task")
     if env.type == "synthetic":
-        _choice(loaded, "env.step_ms.dist", env.step_ms.dist, ("constant", "lognormal", "pareto"))
         _positive(loaded, ["env.step_ms.mean", "env.slow_factor", "env.episode_steps"], minimum=1e-9)
-        if env.step_ms.dist == "pareto" and env.step_ms.alpha <= 1:
+        step_ms = cast("SyntheticEnvConfig", env).step_ms  # the registry's class of env.type synthetic
+        if step_ms.dist == "pareto" and step_ms.alpha <= 1:
             raise loaded.error("env.step_ms.alpha", "must be greater than 1 for a finite mean")
         for key in ("slow_fraction", "success_prob"):
             if not 0.0 <= getattr(env, key) <= 1.0:
                 raise loaded.error(f"env.{key}", f"must lie in [0, 1], got {getattr(env, key)}")
-    if env.type == "toy":
-        _choice(loaded, "env.reward", env.reward, ("shaped", "sparse"))
-    if env.type == "maniskill":
-        _choice(loaded, "env.sim_backend", env.sim_backend, ("auto", "cpu", "gpu"))
 
 
-def _check_pair(loaded: "LoadedSpec", key: str, low_max: float = float("inf")) -> None:
+def _check_pair(loaded: LoadedSpec, key: str, low_max: float = float("inf")) -> None:
     pair = _get(loaded.spec, key)
     if len(pair) != 2 or not 0 <= pair[0] <= low_max or pair[1] < 0:
         raise loaded.error(key, f"must be [low, high] with non-negative values, got {list(pair)}")
 
 
-def _check_algo(loaded: "LoadedSpec") -> None:
-    algo, env = loaded.spec.algo, loaded.spec.env
+def _check_algo(loaded: LoadedSpec) -> None:
+    env = loaded.spec.env
     _check_pair(loaded, "algo.clip", low_max=1.0)
-    if algo.type == "grpo":
+    if loaded.spec.algo.type == "grpo":
+        algo = cast("GRPOConfig", loaded.spec.algo)  # the registry's class of algo.type grpo
         _positive(loaded, ["algo.group_size"], minimum=2)
         low, high = (algo.success_filter + [0, 0])[:2]
         if len(algo.success_filter) != 2 or not 0 <= low <= high <= 1:
-            raise loaded.error("algo.success_filter", f"must be [low, high] with 0 <= low <= high <= 1, "
-                                                      f"got {list(algo.success_filter)}")
+            raise loaded.error(
+                "algo.success_filter",
+                f"must be [low, high] with 0 <= low <= high <= 1, got {list(algo.success_filter)}",
+            )
         for ranks, where in _simulator_ranks(loaded):
             per_rank = env.num_envs // ranks
             if per_rank % algo.group_size:
-                raise loaded.error("env.num_envs", f"each of the {ranks} simulator ranks ({where}) gets {per_rank} "
-                                                   f"environments, which must be a multiple of algo.group_size "
-                                                   f"({algo.group_size}) so that a group runs on one rank")
+                raise loaded.error(
+                    "env.num_envs",
+                    f"each of the {ranks} simulator ranks ({where}) gets {per_rank} "
+                    f"environments, which must be a multiple of algo.group_size "
+                    f"({algo.group_size}) so that a group runs on one rank",
+                )
     _check_every_task_played(loaded)
 
 
-def _check_every_task_played(loaded: "LoadedSpec") -> None:
+def _check_every_task_played(loaded: LoadedSpec) -> None:
     # Tasks take turns by group (envs.base.tasks_of): with fewer groups than tasks some are never played.
     env, algo = loaded.spec.env, loaded.spec.algo
-    group = algo.group_size if algo.type == "grpo" else 1
+    group = algo.episodes_per_group
     if env.tasks and env.num_envs // group < len(env.tasks):
-        turns = f"groups (env.num_envs={env.num_envs} makes {env.num_envs // group} of algo.group_size={group})" \
-            if group > 1 else f"environments (env.num_envs={env.num_envs})"
-        raise loaded.error("env.tasks", f"{len(env.tasks)} tasks take turns over too few {turns}: some would never "
-                                        f"be played; raise env.num_envs to at least {len(env.tasks) * group} or "
-                                        f"list fewer tasks")
+        turns = (
+            f"groups (env.num_envs={env.num_envs} makes {env.num_envs // group} of algo.group_size={group})"
+            if group > 1
+            else f"environments (env.num_envs={env.num_envs})"
+        )
+        raise loaded.error(
+            "env.tasks",
+            f"{len(env.tasks)} tasks take turns over too few {turns}: some would never "
+            f"be played; raise env.num_envs to at least {len(env.tasks) * group} or "
+            f"list fewer tasks",
+        )
 
 
-def _simulator_ranks(loaded: "LoadedSpec") -> list:
+def _simulator_ranks(loaded: LoadedSpec) -> list:
     """(simulator ranks, where they come from) under Slurm and for `vlaslurm run`."""
     sim = loaded.spec.resources.simulator
     slurm_ranks = sim.nodes * sim.tasks_per_node
@@ -148,7 +160,7 @@ def _simulator_ranks(loaded: "LoadedSpec") -> list:
     return [(slurm_ranks, "resources.simulator"), (local, "runtime.local_ranks")]
 
 
-def _check_resources(loaded: "LoadedSpec") -> None:
+def _check_resources(loaded: LoadedSpec) -> None:
     res = loaded.spec.resources
     for role in ROLES:
         _positive(loaded, [f"resources.{role}.{k}" for k in ("nodes", "tasks_per_node", "cpus_per_task")])
@@ -158,24 +170,35 @@ def _check_resources(loaded: "LoadedSpec") -> None:
             raise loaded.error(f"resources.{role}.mem", f"must be Slurm memory like 200G or 64000M, got {mem!r}")
         _check_container(loaded, role)
     if res.trainer.max_restarts:
-        raise loaded.error("resources.trainer.max_restarts", "must be 0: the trainer holds the run's state, so a lost "
-                                                             "trainer stops the job and `vlaslurm resume` continues "
-                                                             "from the last checkpoint")
+        raise loaded.error(
+            "resources.trainer.max_restarts",
+            "must be 0: the trainer holds the run's state, so a lost "
+            "trainer stops the job and `vlaslurm resume` continues "
+            "from the last checkpoint",
+        )
     if res.generator.max_restarts and loaded.spec.rollout.weight_sync != "filesystem":
-        raise loaded.error("resources.generator.max_restarts", "needs rollout.weight_sync: filesystem (a restarted "
-                                                               "generator cannot rejoin the nccl broadcast group)")
-    depth = loaded.spec.rollout.pipeline_depth if loaded.spec.rollout.mode == "pipelined" else 1
+        raise loaded.error(
+            "resources.generator.max_restarts",
+            "needs rollout.weight_sync: filesystem (a restarted generator cannot rejoin the nccl broadcast group)",
+        )
+    depth = loaded.spec.rollout.depth
     for ranks, where in _simulator_ranks(loaded):
         if loaded.spec.env.num_envs < ranks * depth:
-            raise loaded.error("env.num_envs", f"{loaded.spec.env.num_envs} environments cannot fill {ranks} "
-                                               f"simulator ranks x pipeline_depth {depth} (see {where})")
+            raise loaded.error(
+                "env.num_envs",
+                f"{loaded.spec.env.num_envs} environments cannot fill {ranks} "
+                f"simulator ranks x pipeline_depth {depth} (see {where})",
+            )
         if loaded.spec.env.num_envs % ranks:
-            raise loaded.error("env.num_envs", f"{loaded.spec.env.num_envs} environments do not split evenly over "
-                                               f"{ranks} simulator ranks (see {where})")
+            raise loaded.error(
+                "env.num_envs",
+                f"{loaded.spec.env.num_envs} environments do not split evenly over "
+                f"{ranks} simulator ranks (see {where})",
+            )
     _check_groups(loaded)
 
 
-def _check_groups(loaded: "LoadedSpec") -> None:
+def _check_groups(loaded: LoadedSpec) -> None:
     res = loaded.spec.resources
     by_group: dict = {}
     for role in ROLES:
@@ -189,16 +212,16 @@ def _check_groups(loaded: "LoadedSpec") -> None:
             # Node counts may differ: the group shares the smallest count, larger roles get extra nodes.
             for attr in ("partition", "constraint", "gpu_type"):
                 if getattr(other, attr) != getattr(first, attr):
-                    raise loaded.error(f"resources.{role}.{attr}",
-                                       f"roles in group {group!r} share nodes, so {attr} must equal "
-                                       f"resources.{roles[0]}.{attr} ({getattr(first, attr)!r})")
+                    raise loaded.error(
+                        f"resources.{role}.{attr}",
+                        f"roles in group {group!r} share nodes, so {attr} must equal "
+                        f"resources.{roles[0]}.{attr} ({getattr(first, attr)!r})",
+                    )
 
 
-def _check_container(loaded: "LoadedSpec", role: str) -> None:
+def _check_container(loaded: LoadedSpec, role: str) -> None:
     container = loaded.spec.role_resources(role).container
     key = f"resources.{role}.container"
-    if container.runtime is not None:
-        _choice(loaded, f"{key}.runtime", container.runtime, CONTAINER_RUNTIMES)
     for name in ("image", "python"):
         value = getattr(container, name)
         if value is not None and (not value.strip() or re.search(r"[\s,]", value)):
@@ -207,29 +230,36 @@ def _check_container(loaded: "LoadedSpec", role: str) -> None:
         # pyxis and Apptainer split mount lists on ',' and each mount on ':'
         parts = mount.split(":")
         if "," in mount or not 1 <= len(parts) <= 3 or not all(parts[:2]) or not parts[0].startswith("/"):
-            raise loaded.error(f"{key}.mounts[{index}]", f"must be SRC[:DST[:FLAGS]] with absolute paths and no "
-                                                         f"commas, got {mount!r}")
+            raise loaded.error(
+                f"{key}.mounts[{index}]", f"must be SRC[:DST[:FLAGS]] with absolute paths and no commas, got {mount!r}"
+            )
 
 
-def _check_mode_layout(loaded: "LoadedSpec") -> None:
+def _check_mode_layout(loaded: LoadedSpec) -> None:
     s = loaded.spec
     if s.resources.layout == "collocated" and s.rollout.mode == "async":
-        raise loaded.error("rollout.mode", "async needs the roles on their own GPUs; the collocated layout allows "
-                                           "sync and pipelined only (or use layout: disaggregated or hybrid)")
+        raise loaded.error(
+            "rollout.mode",
+            "async needs the roles on their own GPUs; the collocated layout allows "
+            "sync and pipelined only (or use layout: disaggregated or hybrid)",
+        )
 
 
-def check_model_path(loaded: "LoadedSpec") -> None:
+def check_model_path(loaded: LoadedSpec) -> None:
     """Before anything runs (submit, run; not plan, which may describe another machine's files): a set
     `model.path` must be an existing folder; relative paths are taken from the current directory."""
     import os
 
     path = loaded.spec.model.path
     if path is not None and not os.path.isdir(path):
-        raise loaded.error("model.path", f"folder {path!r} does not exist (relative to {os.getcwd()}); "
-                                         "set it to a from_pretrained folder, or remove it for a random init")
+        raise loaded.error(
+            "model.path",
+            f"folder {path!r} does not exist (relative to {os.getcwd()}); "
+            "set it to a from_pretrained folder, or remove it for a random init",
+        )
 
 
-def _check_slurm(loaded: "LoadedSpec") -> None:
+def _check_slurm(loaded: LoadedSpec) -> None:
     slurm = loaded.spec.slurm
     if not _SLURM_TIME.match(slurm.time):
         raise loaded.error("slurm.time", f"must be Slurm time like 12:00:00 or 1-00:00:00, got {slurm.time!r}")

@@ -5,6 +5,7 @@ values, the step (env steps) and a timestamp. The buffer never grows past its
 capacity: when it is full the oldest row is dropped, and the drop is counted so
 the loss is visible (the tracker logs the count as `tracking/dropped_rows`).
 """
+
 from __future__ import annotations
 
 import threading

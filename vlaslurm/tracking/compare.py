@@ -7,12 +7,14 @@ success at N and the wall time to reach N, whose ratio to the first run's is
 the speed-up. Plots (PNG, also logged to MLflow as a "comparison" run):
 success vs env steps, success vs wall time, throughput over time, Δv histogram.
 """
+
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, List, Optional, Tuple
+
+from vlaslurm.rundir import comparisons_dir
 
 if TYPE_CHECKING:  # pandas and MLflow load when the command runs, not when the CLI starts
     import pandas as pd
@@ -37,12 +39,20 @@ def summarize(runs: List[RunData], samples: Optional[float] = None) -> Tuple[pd.
         m = run.metrics
         curve = success_curve(m)
         env_steps, wall = float(m["env_steps"].iloc[-1]), float(m["wall_s"].iloc[-1])
-        rows.append({"run": run.label, "mode": run.mode, "env_steps": env_steps, "wall_s": wall,
-                     "throughput": env_steps / wall if wall > 0 else float("nan"),
-                     "time_at_samples": at_samples(m["env_steps"], m["wall_s"], samples),
-                     "success_at_samples": at_samples(curve.index, curve.to_numpy(), samples),
-                     "final_success": float(curve.iloc[-1]),
-                     **(lag_stats(run.ledger) if run.ledger is not None else {}), "mlflow_run_id": run.run_id})
+        rows.append(
+            {
+                "run": run.label,
+                "mode": run.mode,
+                "env_steps": env_steps,
+                "wall_s": wall,
+                "throughput": env_steps / wall if wall > 0 else float("nan"),
+                "time_at_samples": at_samples(m["env_steps"], m["wall_s"], samples),
+                "success_at_samples": at_samples(curve.index, curve.to_numpy(), samples),
+                "final_success": float(curve.iloc[-1]),
+                **(lag_stats(run.ledger) if run.ledger is not None else {}),
+                "mlflow_run_id": run.run_id,
+            }
+        )
     table = pd.DataFrame(rows)
     table["speedup"] = table["time_at_samples"].iloc[0] / table["time_at_samples"]
     table["throughput_ratio"] = table["throughput"] / table["throughput"].iloc[0]
@@ -57,22 +67,47 @@ def render(table: pd.DataFrame, samples: float):
     from rich.table import Table
 
     n = f"{samples:,.0f}"
-    out = Table("run", "mode", "env\nsteps", "wall\ns", "steps\n/s", "s to\nN", "speed\n-up", "success\n@N",
-                "final\nsuccess", "Δv mean\np50/p99/max", "dropped", box=box.SIMPLE_HEAD, title_justify="left",
-                title=f"equal samples: N = {n} env steps", caption_justify="left",
-                caption="success@N and s to N read each run at N env steps; speed-up = first run's s to N / this run's")
+    out = Table(
+        "run",
+        "mode",
+        "env\nsteps",
+        "wall\ns",
+        "steps\n/s",
+        "s to\nN",
+        "speed\n-up",
+        "success\n@N",
+        "final\nsuccess",
+        "Δv mean\np50/p99/max",
+        "dropped",
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+        title=f"equal samples: N = {n} env steps",
+        caption_justify="left",
+        caption="success@N and s to N read each run at N env steps; speed-up = first run's s to N / this run's",
+    )
     out.columns[0].no_wrap = True
 
     def fmt(value, spec: str) -> str:
         return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
     for row in table.to_dict(orient="records"):
-        lag = (f"{fmt(row.get('lag_mean'), '.2f')} {fmt(row.get('lag_p50'), '.0f')}/"
-               f"{fmt(row.get('lag_p99'), '.1f')}/{fmt(row.get('lag_max'), '.0f')}")
-        out.add_row(row["run"], row["mode"], fmt(row["env_steps"], ",.0f"), fmt(row["wall_s"], ".1f"),
-                    fmt(row["throughput"], ",.0f"), fmt(row["time_at_samples"], ".1f"), fmt(row["speedup"], ".2f") + "x",
-                    fmt(row["success_at_samples"], ".2f"), fmt(row["final_success"], ".2f"), lag,
-                    fmt(row.get("dropped_frac", float("nan")) * 100, ".1f") + "%")
+        lag = (
+            f"{fmt(row.get('lag_mean'), '.2f')} {fmt(row.get('lag_p50'), '.0f')}/"
+            f"{fmt(row.get('lag_p99'), '.1f')}/{fmt(row.get('lag_max'), '.0f')}"
+        )
+        out.add_row(
+            row["run"],
+            row["mode"],
+            fmt(row["env_steps"], ",.0f"),
+            fmt(row["wall_s"], ".1f"),
+            fmt(row["throughput"], ",.0f"),
+            fmt(row["time_at_samples"], ".1f"),
+            fmt(row["speedup"], ".2f") + "x",
+            fmt(row["success_at_samples"], ".2f"),
+            fmt(row["final_success"], ".2f"),
+            lag,
+            fmt(row.get("dropped_frac", float("nan")) * 100, ".1f") + "%",
+        )
     return out
 
 
@@ -116,8 +151,11 @@ def _draw(name: str, ax, run: RunData) -> None:
         lags = run.ledger.loc[run.ledger["consumed_version"] >= 0, "lag"]
         bins = np.arange(-0.5, max(int(lags.max()) if len(lags) else 0, 1) + 1.5)
         ax.hist(lags, bins=bins, alpha=0.5, label=f"{label}: {int(run.ledger['dropped'].sum())} dropped")
-        ax.set(xlabel="Δv = consumed version - behaviour version", ylabel="segments",
-               title="version lag of consumed segments (used and dropped)")
+        ax.set(
+            xlabel="Δv = consumed version - behaviour version",
+            ylabel="segments",
+            title="version lag of consumed segments (used and dropped)",
+        )
         ax.xaxis.get_major_locator().set_params(integer=True)
 
 
@@ -128,8 +166,11 @@ def log_comparison(client, runs: List[RunData], table: pd.DataFrame, samples: fl
     name = next((r.experiment for r in runs if r.experiment), None) or "vlaslurm"
     found = client.get_experiment_by_name(name)
     experiment = found.experiment_id if found else client.create_experiment(name)
-    tags = {"vlaslurm.comparison": "true", "vlaslurm.compared_runs": ",".join(str(r.run_id) for r in runs),
-            "vlaslurm.compared_labels": ",".join(r.label for r in runs)}
+    tags = {
+        "vlaslurm.comparison": "true",
+        "vlaslurm.compared_runs": ",".join(str(r.run_id) for r in runs),
+        "vlaslurm.compared_labels": ",".join(r.label for r in runs),
+    }
     run = client.create_run(experiment, tags=tags, run_name="compare: " + " vs ".join(r.mode for r in runs))
     client.log_batch(run.info.run_id, params=[Param("samples", str(int(samples)))])
     client.log_artifacts(run.info.run_id, str(out_dir))
@@ -137,8 +178,14 @@ def log_comparison(client, runs: List[RunData], table: pd.DataFrame, samples: fl
     return run.info.run_id
 
 
-def compare(refs: List[str], runs_root: Path, out_dir: Optional[Path] = None, uri: Optional[str] = None,
-            samples: Optional[float] = None, log_to_mlflow: bool = True) -> dict:
+def compare(
+    refs: List[str],
+    runs_root: Path,
+    out_dir: Optional[Path] = None,
+    uri: Optional[str] = None,
+    samples: Optional[float] = None,
+    log_to_mlflow: bool = True,
+) -> dict:
     """Load, summarize, plot and (best effort) log; returns the table, N, the PNG paths and the MLflow run id."""
     from vlaslurm.tracking.data import client_for, load_run
     from vlaslurm.tracking.tracker import quiet_mlflow_client
@@ -147,67 +194,20 @@ def compare(refs: List[str], runs_root: Path, out_dir: Optional[Path] = None, ur
     client = client_for(refs, runs_root, uri) if log_to_mlflow or uri else None
     runs = [load_run(ref, runs_root, client) for ref in refs]
     table, samples = summarize(runs, samples)
-    out_dir = out_dir or Path(runs_root) / "comparisons" / time.strftime("%Y%m%d-%H%M%S")
+    out_dir = out_dir or comparisons_dir(runs_root) / time.strftime("%Y%m%d-%H%M%S")
     paths = plot(runs, samples, out_dir)
     table.to_csv(out_dir / "comparison.csv", index=False)
-    result = {"table": table, "samples": samples, "plots": paths, "out_dir": out_dir, "mlflow_run_id": None,
-              "mlflow_error": None}
+    result = {
+        "table": table,
+        "samples": samples,
+        "plots": paths,
+        "out_dir": out_dir,
+        "mlflow_run_id": None,
+        "mlflow_error": None,
+    }
     if client is not None and log_to_mlflow:
         try:
             result["mlflow_run_id"] = log_comparison(client, runs, table, samples, out_dir)
         except Exception as exc:  # the table and the PNGs stand on their own
             result["mlflow_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return result
-
-
-def cmd_compare(args: argparse.Namespace) -> int:
-    from vlaslurm.cli import UserError, _runs_root, console
-    from vlaslurm.runtime.rundir import RunNotFound
-
-    if len(args.runs) < 2:
-        raise UserError("compare needs at least two runs (run directories, run names or MLflow run ids)")
-    try:
-        result = compare(args.runs, _runs_root(args), Path(args.out) if args.out else None, args.tracking_uri,
-                         args.samples, log_to_mlflow=not args.no_mlflow)
-    except (RunNotFound, ValueError) as exc:
-        raise UserError(str(exc)) from None
-    console.print(render(result["table"], result["samples"]))
-    console.print(f"plots: {result['out_dir']} ({', '.join(p.name for p in result['plots'])}, comparison.csv)")
-    if result["mlflow_run_id"]:
-        console.print(f"logged to MLflow as run {result['mlflow_run_id']}")
-    elif result["mlflow_error"]:
-        console.print(f"[yellow]not logged to MLflow:[/yellow] {result['mlflow_error']}")
-    return 0
-
-
-def cmd_track(args: argparse.Namespace) -> int:
-    from vlaslurm.cli import _resolve, console
-    from vlaslurm.tracking.tracker import sync_run
-
-    info = _resolve(args)
-    summary = sync_run(Path(info.run_dir), args.tracking_uri, args.timeout)
-    console.print(f"MLflow run {summary['run_id']} at {summary['uri']}: {summary['sent_rows']} rows sent, "
-                  f"{summary['pending_rows']} rows and {summary['pending_tasks']} uploads not sent"
-                  + (f" ({summary['last_error']})" if summary["pending_rows"] or summary["pending_tasks"] else ""))
-    return 0 if summary["run_id"] and not summary["pending_rows"] else 1
-
-
-def register(subparsers) -> None:
-    """Add `compare` (and `track`, which sends a run's records afterwards) to the `vlaslurm` command line."""
-    text = "compare runs at equal samples: throughput, success, Δv; PNG plots logged to MLflow"
-    p = subparsers.add_parser("compare", help=text, description=text)
-    p.set_defaults(func=cmd_compare)
-    p.add_argument("runs", nargs="+", help="run directories, run names, job ids or MLflow run ids (first = baseline)")
-    p.add_argument("--samples", type=float, help="env-step count N of the equal-sample columns "
-                                                 "(default: the fewest env steps any run reached)")
-    p.add_argument("--out", help="folder of the PNGs and comparison.csv (default: <runs-root>/comparisons/<stamp>)")
-    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: the first run's tracking.uri, else "
-                                          "the SQLite database under the runs root)")
-    p.add_argument("--no-mlflow", action="store_true", help="do not log the comparison to MLflow")
-    text = "send a run's metrics and artifacts to MLflow after the fact (tracking was off or the server away)"
-    p = subparsers.add_parser("track", help=text, description=text)
-    p.set_defaults(func=cmd_track)
-    p.add_argument("run", help="run directory, run name or job id")
-    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: the run's tracking.uri, else the SQLite "
-                                          "database under the runs root)")
-    p.add_argument("--timeout", type=float, default=120.0, help="give up after this many seconds")

@@ -5,9 +5,9 @@
 (`metrics.jsonl`, `ledger.parquet`); an MLflow run without a reachable run
 directory is read through MLflow (metric history, the `ledger.parquet` artifact).
 """
+
 from __future__ import annotations
 
-import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,12 +15,19 @@ from typing import List, Optional
 
 import pandas as pd
 
-from vlaslurm.runtime.ledger import LEDGER, read_ledger
-from vlaslurm.runtime.rundir import RunNotFound, resolve_run
+from vlaslurm.rundir import RunDir, RunNotFound, layout, read_ledger, read_metrics, read_resolved_spec, resolve_run
 from vlaslurm.tracking.tracker import default_uri, read_run_id, tracking_uri
 
-CURVE_KEYS = ("env_steps", "wall_s", "version", "charts/SPS", "rollout/success_rate", "rollout/episodes",
-              "staleness/mean", "staleness/dropped_segments")
+CURVE_KEYS = (
+    "env_steps",
+    "wall_s",
+    "version",
+    "charts/SPS",
+    "rollout/success_rate",
+    "rollout/episodes",
+    "staleness/mean",
+    "staleness/dropped_segments",
+)
 
 
 @dataclass
@@ -39,13 +46,7 @@ class RunData:
 
 def metrics_from_dir(run_dir: Path) -> pd.DataFrame:
     """`metrics.jsonl` as a table (torn lines skipped)."""
-    rows = []
-    path = Path(run_dir) / "metrics.jsonl"
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
+    rows = read_metrics(run_dir)
     return _sorted(_with_curve_keys(pd.DataFrame(rows)))
 
 
@@ -59,9 +60,17 @@ def metrics_from_mlflow(client, run_id: str, keys=CURVE_KEYS) -> pd.DataFrame:
     for key in keys:
         history = client.get_metric_history(run_id, key)
         if history:
-            frames.append(pd.DataFrame({"step": [m.step for m in history], "timestamp": [m.timestamp for m in history],
-                                        key: [m.value for m in history]})
-                          .drop_duplicates(["step", "timestamp"], keep="last").set_index(["step", "timestamp"]))
+            frames.append(
+                pd.DataFrame(
+                    {
+                        "step": [m.step for m in history],
+                        "timestamp": [m.timestamp for m in history],
+                        key: [m.value for m in history],
+                    }
+                )
+                .drop_duplicates(["step", "timestamp"], keep="last")
+                .set_index(["step", "timestamp"])
+            )
     if not frames:
         return _with_curve_keys(pd.DataFrame())
     table = pd.concat(frames, axis=1).reset_index().sort_values(["step", "timestamp"])
@@ -94,15 +103,19 @@ def load_run(ref: str, runs_root: Path, client=None) -> RunData:
 
 
 def from_run_dir(run_dir: Path) -> RunData:
-    import yaml
-
     run_dir = Path(run_dir)
-    spec = yaml.safe_load((run_dir / "spec.yaml").read_text()) if (run_dir / "spec.yaml").exists() else {}
+    spec = read_resolved_spec(run_dir)
     tracking = spec.get("tracking") or {}
-    return RunData(label=f"{run_dir.parent.name}/{run_dir.name}", mode=str((spec.get("rollout") or {}).get("mode")),
-                   metrics=metrics_from_dir(run_dir),
-                   ledger=read_ledger(run_dir) if (run_dir / LEDGER).exists() else None, run_dir=run_dir,
-                   run_id=read_run_id(run_dir), experiment=tracking.get("experiment"), spec_uri=tracking.get("uri"))
+    return RunData(
+        label=f"{run_dir.parent.name}/{run_dir.name}",
+        mode=str((spec.get("rollout") or {}).get("mode")),
+        metrics=metrics_from_dir(run_dir),
+        ledger=read_ledger(run_dir) if RunDir(run_dir).ledger.exists() else None,
+        run_dir=run_dir,
+        run_id=read_run_id(run_dir),
+        experiment=tracking.get("experiment"),
+        spec_uri=tracking.get("uri"),
+    )
 
 
 def _from_mlflow(ref: str, client, not_found: RunNotFound) -> RunData:
@@ -111,14 +124,19 @@ def _from_mlflow(ref: str, client, not_found: RunNotFound) -> RunData:
         raise RunNotFound(f"{not_found} (and no MLflow run with id or name {ref!r} at {client.tracking_uri})")
     tags = run.data.tags
     run_dir = Path(tags.get("vlaslurm.run_dir", "/nonexistent"))
-    if (run_dir / "metrics.jsonl").exists():
+    if RunDir(run_dir).metrics.exists():
         data = from_run_dir(run_dir)
         data.run_id = run.info.run_id
         return data
     experiment = client.get_experiment(run.info.experiment_id).name
-    return RunData(label=tags.get("mlflow.runName", run.info.run_id), mode=tags.get("vlaslurm.mode", "?"),
-                   metrics=metrics_from_mlflow(client, run.info.run_id), ledger=ledger_from_mlflow(client, run.info.run_id),
-                   run_id=run.info.run_id, experiment=experiment)
+    return RunData(
+        label=tags.get("mlflow.runName", run.info.run_id),
+        mode=tags.get("vlaslurm.mode", "?"),
+        metrics=metrics_from_mlflow(client, run.info.run_id),
+        ledger=ledger_from_mlflow(client, run.info.run_id),
+        run_id=run.info.run_id,
+        experiment=experiment,
+    )
 
 
 def _find_mlflow_run(ref: str, client):
@@ -130,8 +148,13 @@ def _find_mlflow_run(ref: str, client):
         pass
     experiments = [e.experiment_id for e in client.search_experiments()]
     quoted = ref.replace("'", "\\'")
-    found = client.search_runs(experiments, f"attributes.run_name = '{quoted}'", max_results=1,
-                               order_by=["attributes.start_time DESC"]) if experiments else []
+    found = (
+        client.search_runs(
+            experiments, f"attributes.run_name = '{quoted}'", max_results=1, order_by=["attributes.start_time DESC"]
+        )
+        if experiments
+        else []
+    )
     return found[0] if found else None
 
 
@@ -141,7 +164,7 @@ def ledger_from_mlflow(client, run_id: str) -> Optional[pd.DataFrame]:
 
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            path = client.download_artifacts(run_id, LEDGER, tmp)
+            path = client.download_artifacts(run_id, layout.LEDGER, tmp)
         except (MlflowException, OSError):
             return None
         return pd.read_parquet(path)

@@ -6,22 +6,21 @@ new metrics lines and changed counter files into rows for the tracker, and
 names the new failure GIFs under `failures/<task>/` (each once) for upload, so
 tracking needs no hook in any training loop.
 """
+
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Mapping, Optional, Set
 
-from vlaslurm.runtime.failures import FAILURES_DIR
+from vlaslurm.rundir import RunDir
 from vlaslurm.tracking.buffer import Row
 
-METRICS = "metrics.jsonl"
-COUNTERS = "counters"
 SYSTEM_PREFIX = "system/"  # MLflow's UI shows these keys in its "System metrics" tab
 
 
-def numeric(values: Dict[str, object], prefix: str = "") -> Dict[str, float]:
+def numeric(values: Mapping[str, object], prefix: str = "") -> Dict[str, float]:
     """The finite numbers of a dict, keyed `prefix + key` (MLflow keeps no NaN, text or None)."""
     out = {}
     for key, value in values.items():
@@ -40,7 +39,7 @@ class RunFollower:
         self.line = 0  # lines of metrics.jsonl read so far
         # Lines an earlier tracker of this run sent. A trainer resumed from a checkpoint cuts the file
         # back to the checkpoint's rows (a prefix of what was sent): those stay skipped, new ones are sent.
-        self.skip = min(start_line, _count_lines(self.run_dir / METRICS))
+        self.skip = min(start_line, _count_lines(RunDir(self.run_dir).metrics))
         self.env_steps = 0  # the newest env step count seen: the step of system metrics
         self._offset = 0
         self._counter_mtimes: Dict[Path, float] = {}
@@ -51,7 +50,7 @@ class RunFollower:
         return self.metrics_rows() + self.counter_rows()
 
     def metrics_rows(self) -> List[Row]:
-        path = self.run_dir / METRICS
+        path = RunDir(self.run_dir).metrics
         if not path.exists():
             return []
         with path.open("rb") as handle:
@@ -86,13 +85,13 @@ class RunFollower:
 
     def new_failures(self) -> List[Path]:
         """Failure GIFs that appeared since the last call (written whole: a temporary name, then renamed)."""
-        found = set((self.run_dir / FAILURES_DIR).glob("*/*.gif")) - self._failures_seen
+        found = set(RunDir(self.run_dir).failures.glob("*/*.gif")) - self._failures_seen
         self._failures_seen |= found
         return sorted(found)
 
     def counter_rows(self) -> List[Row]:
         rows = []
-        for path in sorted((self.run_dir / COUNTERS).glob("*.json")):
+        for path in sorted(RunDir(self.run_dir).counters.glob("*.json")):
             try:
                 mtime = path.stat().st_mtime
                 if self._counter_mtimes.get(path) == mtime:

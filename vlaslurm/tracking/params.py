@@ -1,11 +1,12 @@
 """What a run logs as MLflow params and tags: the flattened resolved spec and the placement."""
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any, Dict
 
-import yaml
+from vlaslurm.rundir import RunDir, read_info, read_resolved_spec
 
 MAX_VALUE = 500  # MLflow accepts longer values; long lists are unreadable in its UI anyway
 
@@ -23,23 +24,21 @@ def flatten(data: Any, prefix: str = "") -> Dict[str, str]:
 
 def spec_params(run_dir: Path) -> Dict[str, str]:
     """The resolved spec the run used (`spec.yaml`), flattened."""
-    path = Path(run_dir) / "spec.yaml"
-    return flatten(yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
+    return flatten(read_resolved_spec(run_dir))
 
 
 def placement_params(run_dir: Path) -> Dict[str, str]:
     """Where the ranks ran: kind, job id, ranks per role and the nodes each role met on."""
     run_dir = Path(run_dir)
     out: Dict[str, str] = {}
-    info_path = run_dir / "run.json"
-    if info_path.exists():
-        info = json.loads(info_path.read_text())
-        out["placement.kind"] = str(info.get("kind"))
-        out["placement.job_id"] = str(info.get("job_id"))
-        for role, count in (info.get("ranks") or {}).items():
+    if RunDir(run_dir).holds_run():
+        info = read_info(run_dir)
+        out["placement.kind"] = str(info.kind)
+        out["placement.job_id"] = str(info.job_id)
+        for role, count in info.ranks.items():
             out[f"placement.ranks.{role}"] = str(count)
     nodes: Dict[str, set] = {}
-    for path in run_dir.glob("rendezvous/*/*.json"):
+    for path in RunDir(run_dir).rendezvous_root.glob("*/*.json"):
         try:
             member = json.loads(path.read_text())
             nodes.setdefault(member["role"], set()).add(member.get("node") or member.get("host"))
@@ -53,13 +52,17 @@ def placement_params(run_dir: Path) -> Dict[str, str]:
 def run_tags(run_dir: Path) -> Dict[str, str]:
     """Tags that let `compare` and the notebooks find the run directory of an MLflow run."""
     run_dir = Path(run_dir).resolve()
-    info = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").exists() else {}
+    info = read_info(run_dir) if RunDir(run_dir).holds_run() else None
     spec = spec_params(run_dir)
-    tags = {"vlaslurm.run_dir": str(run_dir), "vlaslurm.name": str(info.get("name", run_dir.parent.name)),
-            "vlaslurm.kind": str(info.get("kind")), "vlaslurm.mode": spec.get("rollout.mode", "?"),
-            "mlflow.source.name": "vlaslurm"}
-    if info.get("job_id"):
-        tags["vlaslurm.job_id"] = str(info["job_id"])
-    if info.get("sweep"):  # runs submitted together by --seeds/--sweep (vlaslurm.slurm.sweep)
-        tags["vlaslurm.sweep"] = str(info["sweep"])
+    tags = {
+        "vlaslurm.run_dir": str(run_dir),
+        "vlaslurm.name": info.name if info else run_dir.parent.name,
+        "vlaslurm.kind": str(info.kind if info else None),
+        "vlaslurm.mode": spec.get("rollout.mode", "?"),
+        "mlflow.source.name": "vlaslurm",
+    }
+    if info is not None and info.job_id:
+        tags["vlaslurm.job_id"] = str(info.job_id)
+    if info is not None and info.sweep:  # runs submitted together by --seeds/--sweep (vlaslurm.slurm.sweep)
+        tags["vlaslurm.sweep"] = str(info.sweep)
     return tags

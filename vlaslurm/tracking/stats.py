@@ -4,10 +4,11 @@ Metrics table: one row per update (`metrics.jsonl`, or MLflow's history), with
 `env_steps`, `wall_s`, `charts/SPS`, `rollout/success_rate`, `rollout/episodes`.
 Ledger: one row per segment (`vlaslurm.runtime.ledger.COLUMNS`).
 """
+
 from __future__ import annotations
 
 import json
-from typing import Dict, List
+from typing import Dict, List, Sequence, Union
 
 import numpy as np
 import pandas as pd
@@ -48,11 +49,18 @@ def lag_stats(ledger: pd.DataFrame) -> Dict[str, float]:
     """Δv of the used segments (mean, p50, p99, max) and how many segments were dropped."""
     lags = ledger.loc[ledger["used"], "lag"].to_numpy(float)
     total = len(ledger)
-    out = {"segments": float(total), "used_segments": float(ledger["used"].sum()),
-           "dropped_segments": float(ledger["dropped"].sum()),
-           "dropped_frac": float(ledger["dropped"].sum() / total) if total else float("nan")}
-    for name, value in (("lag_mean", np.mean), ("lag_p50", lambda a: np.percentile(a, 50)),
-                        ("lag_p99", lambda a: np.percentile(a, 99)), ("lag_max", np.max)):
+    out = {
+        "segments": float(total),
+        "used_segments": float(ledger["used"].sum()),
+        "dropped_segments": float(ledger["dropped"].sum()),
+        "dropped_frac": float(ledger["dropped"].sum() / total) if total else float("nan"),
+    }
+    for name, value in (
+        ("lag_mean", np.mean),
+        ("lag_p50", lambda a: np.percentile(a, 50)),
+        ("lag_p99", lambda a: np.percentile(a, 99)),
+        ("lag_max", np.max),
+    ):
         out[name] = float(value(lags)) if len(lags) else float("nan")
     return out
 
@@ -62,7 +70,7 @@ def episode_ends(ledger: pd.DataFrame) -> pd.DataFrame:
     return ledger[ledger["terminated"] | ledger["truncated"]]
 
 
-def task_success_by_step(ledger: pd.DataFrame, steps: np.ndarray) -> pd.DataFrame:
+def task_success_by_step(ledger: pd.DataFrame, steps: Union[Sequence[int], np.ndarray]) -> pd.DataFrame:
     """Success rate per task between consecutive update steps (`steps`: the metrics' env_steps).
 
     The ledger's segments, in the order they ended, add up to the env steps the
@@ -74,8 +82,9 @@ def task_success_by_step(ledger: pd.DataFrame, steps: np.ndarray) -> pd.DataFram
     received = order["steps"].cumsum()
     ends = order[order["terminated"] | order["truncated"]]
     index = np.minimum(np.searchsorted(np.asarray(steps), received[ends.index].to_numpy()), len(steps) - 1)
-    frame = pd.DataFrame({"task": ends["task"].to_numpy(), "step": np.asarray(steps)[index],
-                          "success": ends["success"].to_numpy(float)})
+    frame = pd.DataFrame(
+        {"task": ends["task"].to_numpy(), "step": np.asarray(steps)[index], "success": ends["success"].to_numpy(float)}
+    )
     out = frame.groupby(["task", "step"])["success"].agg(["mean", "size"]).reset_index()
     return out.rename(columns={"mean": "success_rate", "size": "episodes"})
 
@@ -90,7 +99,14 @@ def failed_trajectories(ledger: pd.DataFrame, per_task: int = 3) -> List[dict]:
     out = []
     for env_id, episode, sim_rank in keys:
         segs = ledger[(ledger["env_id"] == env_id) & (ledger["episode"] == episode) & (ledger["sim_rank"] == sim_rank)]
-        out.append({"task": str(segs["task"].iloc[-1]), "env_id": int(env_id), "episode": int(episode),
-                    "sim_rank": int(sim_rank), "steps": int(segs["steps"].sum()),
-                    "segments": json.loads(segs.sort_values("segment").to_json(orient="records"))})
+        out.append(
+            {
+                "task": str(segs["task"].iloc[-1]),
+                "env_id": int(env_id),
+                "episode": int(episode),
+                "sim_rank": int(sim_rank),
+                "steps": int(segs["steps"].sum()),
+                "segments": json.loads(segs.sort_values("segment").to_json(orient="records")),
+            }
+        )
     return out

@@ -1,25 +1,15 @@
 """The run's MLflow writer: one per run, in trainer rank 0, never on the training path.
 
-A background thread follows what the run already writes (`metrics.jsonl`,
-`counters/*.json`, see `follow.py`) into a bounded buffer and sends it to MLflow:
-
-    metrics   every metrics.jsonl row, step = env steps, timestamp = when it was written
-    system    system/<role>-<rank>/<counter> (utilisation, queue lengths, batch sizes, latency)
-    params    the flattened resolved spec and the placement (placement.*)
-    at close  Δv statistics and success per task from the ledger (ledger/*, rollout/success_rate/<task>),
-              tracking/dropped_rows, and the artifacts
-    artifacts spec.yaml, run.json, job.sbatch, profile*, then ledger.parquet, metrics.jsonl,
-              counters/ and a few failed trajectories per task (tracking/failed_trajectories.json);
-              as they appear, the failed episodes' GIFs (failures/<task>/<traj_id>.gif, each once)
-
-MLflow's client retries for minutes; the writer sets its retries to 0 and its
-request timeout low, and retries itself with a capped backoff. While the server
-is away rows wait in the buffer; when it is full the oldest rows are dropped and
-counted. `close(timeout_s)` flushes what it can before its deadline and returns.
-The MLflow run id is written to `<run_dir>/mlflow_run_id`.
+A background thread follows what the run already writes (`metrics.jsonl`, `counters/*.json`,
+see `follow.py`) into a bounded buffer and sends metrics, system counters, params and artifacts
+to MLflow, retrying itself with a capped backoff and dropping (and counting) the oldest rows when
+the buffer is full. `close(timeout_s)` flushes what it can before its deadline.
+Details (what is sent when): docs/tracking.md
 """
+
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -28,18 +18,18 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from vlaslurm.log import get_logger
-from vlaslurm.runtime.failures import FAILURES_DIR
+from vlaslurm.rundir import RunDir, index_path, layout, read_ledger, write_atomic
 from vlaslurm.tracking.buffer import Row, RowBuffer
 from vlaslurm.tracking.follow import RunFollower, numeric
 from vlaslurm.tracking.params import placement_params, run_tags, spec_params
 
 log = get_logger("vlaslurm.tracking")
 
-RUN_ID_FILE = "mlflow_run_id"
-STATE_DIR = "tracking"  # <run_dir>/tracking/: what the tracker writes besides mlflow_run_id
+RUN_ID_FILE = layout.MLFLOW_RUN_ID
+STATE_DIR = layout.TRACKING  # <run_dir>/tracking/: what the tracker writes besides mlflow_run_id
 SWITCH_ENV = "VLASLURM_TRACKING"  # "off" turns tracking off
 CLOSE_ENV = "VLASLURM_TRACKING_CLOSE_S"  # close deadline (default 10 s)
 MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch
@@ -53,7 +43,7 @@ def runs_root_of(run_dir: Path) -> Path:
     the grandparent (a `--run-dir` outside the runs root has no link to it: run.json does not name it)."""
     run_dir = Path(run_dir).resolve()
     for parent in run_dir.parents[:3]:
-        if (parent / "index.jsonl").exists():
+        if index_path(parent).exists():
             return parent
     return run_dir.parent.parent
 
@@ -95,7 +85,7 @@ def prepare_sqlite(uri: str) -> None:
     """
     if not uri.startswith("sqlite:///"):
         return
-    path = Path(uri[len("sqlite:///"):])
+    path = Path(uri[len("sqlite:///") :])
     if path.exists():
         return
     from mlflow.tracking import MlflowClient
@@ -111,15 +101,24 @@ def prepare_sqlite(uri: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
-Task = Tuple[str, Callable[[object], None]]
+Task = Tuple[str, Callable[[Any], None]]  # (name, run it with the MlflowClient)
 
 
 class Tracker:
     """Logs one run directory to MLflow from a background thread; see the module docstring."""
 
-    def __init__(self, run_dir: Path, uri: str, experiment: str, capacity: int = 10_000, poll_s: float = 1.0,
-                 request_timeout_s: int = 5, max_backoff_s: float = 8.0, close_timeout_s: Optional[float] = None,
-                 follow: bool = True) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        uri: str,
+        experiment: str,
+        capacity: int = 10_000,
+        poll_s: float = 1.0,
+        request_timeout_s: int = 5,
+        max_backoff_s: float = 8.0,
+        close_timeout_s: Optional[float] = None,
+        follow: bool = True,
+    ) -> None:
         self.run_dir = Path(run_dir).resolve()
         self.uri, self.experiment = uri, experiment
         self.poll_s, self.request_timeout_s, self.max_backoff_s = poll_s, request_timeout_s, max_backoff_s
@@ -131,7 +130,7 @@ class Tracker:
         self.failures = 0
         self.last_error: Optional[str] = None
         self._tasks: Deque[Task] = deque()
-        self._client = None
+        self._client: Any = None  # the MlflowClient, made on first use (mlflow is imported lazily)
         self._next_try = 0.0
         self._backoff = 0.5
         self._failing = False
@@ -142,12 +141,13 @@ class Tracker:
 
     # ----------------------------------------------------------------- the caller's side (never blocks)
 
-    def start(self) -> "Tracker":
+    def start(self) -> Tracker:
         """Queue the params and the first artifacts, and start the writer thread."""
         self._tasks.append(("params", self._log_params))
-        for name in ("spec.yaml", "run.json", "job.sbatch"):
-            self.log_artifact(self.run_dir / name)
-        for path in sorted(self.run_dir.glob("profile*")):
+        paths = RunDir(self.run_dir)
+        for path in (paths.spec, paths.info, paths.job_script):
+            self.log_artifact(path)
+        for path in sorted(self.run_dir.glob(layout.PROFILE_ARTIFACTS)):
             self.log_artifact(path)
         self._thread.start()
         log.info("tracking to %s (experiment %r)", self.uri, self.experiment)
@@ -161,7 +161,9 @@ class Tracker:
 
     def log_artifact(self, path: Path, artifact_path: Optional[str] = None) -> None:
         """Queue a file or folder of the run for upload (skipped if it does not exist when its turn comes)."""
-        self._tasks.append((f"artifact {Path(path).name}", lambda client: self._upload(client, Path(path), artifact_path)))
+        self._tasks.append(
+            (f"artifact {Path(path).name}", lambda client: self._upload(client, Path(path), artifact_path))
+        )
 
     def close(self, timeout_s: Optional[float] = None, status: Optional[str] = None) -> Dict[str, object]:
         """Add the final metrics and artifacts, flush until the deadline, and return a summary.
@@ -183,14 +185,26 @@ class Tracker:
         lost = summary["pending_rows"] or summary["pending_tasks"]
         (log.warning if lost or summary["dropped_rows"] else log.info)(
             "tracking closed: run %s, %d rows sent, %d dropped from a full buffer, %d rows and %d uploads not sent%s",
-            self.run_id, self.sent_rows, self.buffer.dropped_rows, summary["pending_rows"], summary["pending_tasks"],
-            f" (last error: {self.last_error})" if lost else "")
+            self.run_id,
+            self.sent_rows,
+            self.buffer.dropped_rows,
+            summary["pending_rows"],
+            summary["pending_tasks"],
+            f" (last error: {self.last_error})" if lost else "",
+        )
         return summary
 
     def summary(self) -> Dict[str, object]:
-        return {"run_id": self.run_id, "uri": self.uri, "sent_rows": self.sent_rows,
-                "dropped_rows": self.buffer.dropped_rows, "pending_rows": len(self.buffer),
-                "pending_tasks": len(self._tasks), "failures": self.failures, "last_error": self.last_error}
+        return {
+            "run_id": self.run_id,
+            "uri": self.uri,
+            "sent_rows": self.sent_rows,
+            "dropped_rows": self.buffer.dropped_rows,
+            "pending_rows": len(self.buffer),
+            "pending_tasks": len(self._tasks),
+            "failures": self.failures,
+            "last_error": self.last_error,
+        }
 
     # ----------------------------------------------------------------- the writer thread
 
@@ -218,7 +232,7 @@ class Tracker:
             for row in self.follower.poll():
                 self.buffer.put(row)
             for path in self.follower.new_failures():
-                self.log_artifact(path, f"{FAILURES_DIR}/{path.parent.name}")
+                self.log_artifact(path, f"{layout.FAILURES}/{path.parent.name}")
         except OSError as exc:
             log.debug("tracking: cannot read the run directory yet: %s", exc)
 
@@ -230,10 +244,14 @@ class Tracker:
             client = self._ensure_run()
             while len(self.buffer):
                 rows = self.buffer.head(MAX_BATCH)
-                self._attempt(lambda: self._send_rows(client, rows), lambda: self._reject_rows(rows))
+                self._attempt(
+                    functools.partial(self._send_rows, client, rows), functools.partial(self._reject_rows, rows)
+                )
             while self._tasks:
                 name, task = self._tasks[0]
-                self._attempt(lambda: task(client), lambda: log.warning("tracking: gave up on %s", name))
+                self._attempt(
+                    functools.partial(task, client), functools.partial(log.warning, "tracking: gave up on %s", name)
+                )
                 self._tasks.popleft()
         except Exception as exc:  # MlflowException, requests' errors, sqlite's: all mean "later"
             self._failed(exc)
@@ -262,8 +280,12 @@ class Tracker:
         self.failures += 1
         self.last_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         if not self._failing:
-            log.warning("tracking server %s unavailable (%s); buffering (%d rows) and retrying",
-                        self.uri, self.last_error, len(self.buffer))
+            log.warning(
+                "tracking server %s unavailable (%s); buffering (%d rows) and retrying",
+                self.uri,
+                self.last_error,
+                len(self.buffer),
+            )
         self._failing = True
         self._next_try = time.monotonic() + self._backoff
         self._backoff = min(self._backoff * 2, self.max_backoff_s)
@@ -286,10 +308,14 @@ class Tracker:
             prepare_sqlite(self.uri)
             self._client = MlflowClient(tracking_uri=self.uri)
         if self.run_id is None:
-            info = json.loads((self.run_dir / "run.json").read_text()) if (self.run_dir / "run.json").exists() else {}
-            run = self._client.create_run(self._experiment_id(), start_time=int(info.get("created", time.time()) * 1000),
-                                          tags=run_tags(self.run_dir),
-                                          run_name=f"{info.get('name', self.run_dir.parent.name)}/{self.run_dir.name}")
+            info_path = RunDir(self.run_dir).info
+            info = json.loads(info_path.read_text()) if info_path.exists() else {}
+            run = self._client.create_run(
+                self._experiment_id(),
+                start_time=int(info.get("created", time.time()) * 1000),
+                tags=run_tags(self.run_dir),
+                run_name=f"{info.get('name', self.run_dir.parent.name)}/{self.run_dir.name}",
+            )
             self.run_id = run.info.run_id
             _write(self.run_dir / RUN_ID_FILE, self.run_id + "\n")
             log.info("MLflow run %s", self.run_id)
@@ -303,7 +329,7 @@ class Tracker:
             return found.experiment_id
         location = None
         if self.uri.startswith("sqlite:"):  # else MLflow would put artifacts in ./mlruns of the cwd
-            location = (runs_root_of(self.run_dir) / "mlartifacts").resolve().as_uri()
+            location = (runs_root_of(self.run_dir) / layout.MLARTIFACTS).resolve().as_uri()
         try:
             return self._client.create_experiment(self.experiment, artifact_location=location)
         except MlflowException:  # another run created it meanwhile
@@ -317,7 +343,7 @@ class Tracker:
 
         params = [Param(k, v) for k, v in {**spec_params(self.run_dir), **placement_params(self.run_dir)}.items()]
         for start in range(0, len(params), MAX_PARAMS):
-            client.log_batch(self.run_id, params=params[start:start + MAX_PARAMS])
+            client.log_batch(self.run_id, params=params[start : start + MAX_PARAMS])
 
     def _upload(self, client, path: Path, artifact_path: Optional[str]) -> None:
         if path.is_dir():
@@ -333,16 +359,17 @@ class Tracker:
         except Exception as exc:  # a missing or odd ledger must not cost the other metrics
             log.warning("tracking: no ledger metrics (%s)", exc)
         self.log({"tracking/dropped_rows": self.buffer.dropped_rows}, step)
-        for name in ("ledger.parquet", "metrics.jsonl", "counters", f"{STATE_DIR}/failed_trajectories.json"):
-            self.log_artifact(self.run_dir / name, STATE_DIR if name.startswith(STATE_DIR) else None)
+        paths = RunDir(self.run_dir)
+        for path in (paths.ledger, paths.metrics, paths.counters):
+            self.log_artifact(path)
+        self.log_artifact(paths.tracking / layout.TRACKER_FAILED, STATE_DIR)
         status = self._status or self._final_status(step)
         self._tasks.append(("terminate", lambda client: client.set_terminated(self.run_id, status)))
 
     def _ledger_metrics(self, step: int) -> None:
-        from vlaslurm.runtime.ledger import LEDGER, read_ledger
         from vlaslurm.tracking import stats
 
-        if not (self.run_dir / LEDGER).exists():
+        if not RunDir(self.run_dir).ledger.exists():
             return
         ledger = read_ledger(self.run_dir)
         now = int(time.time() * 1000)
@@ -353,10 +380,10 @@ class Tracker:
                 self.log({f"rollout/success_rate/{metric_name(task)}": row.success_rate}, int(row.step), now)
         failed = stats.failed_trajectories(ledger)
         if failed:
-            _write(self.run_dir / STATE_DIR / "failed_trajectories.json", json.dumps(failed, indent=1))
+            _write(RunDir(self.run_dir).tracking / layout.TRACKER_FAILED, json.dumps(failed, indent=1))
 
     def _metric_steps(self) -> List[int]:
-        path = self.run_dir / "metrics.jsonl"
+        path = RunDir(self.run_dir).metrics
         steps = []
         for line in path.read_text().splitlines() if path.exists() else []:
             try:
@@ -370,14 +397,14 @@ class Tracker:
         return "FINISHED" if total is None or step >= int(total) else "KILLED"
 
     def _sent_line(self) -> int:
-        path = self.run_dir / STATE_DIR / "state.json"
+        path = RunDir(self.run_dir).tracking / layout.TRACKER_STATE
         try:
             return int(json.loads(path.read_text())["sent_line"])
         except (OSError, ValueError, KeyError):
             return 0
 
     def _save_state(self, state: Dict[str, int]) -> None:
-        _write(self.run_dir / STATE_DIR / "state.json", json.dumps(state))
+        _write(RunDir(self.run_dir).tracking / layout.TRACKER_STATE, json.dumps(state))
 
 
 class NoTracker:
@@ -395,15 +422,16 @@ class NoTracker:
         return {}
 
 
-def open_tracker(spec, run_dir: Path, **options) -> "Tracker | NoTracker":
-    """The started tracker of a run (trainer rank 0), or a no-op one when $VLASLURM_TRACKING=off.
+def open_tracker(tracking, run_dir: Path, **options) -> Tracker | NoTracker:
+    """The started tracker of a run (trainer rank 0; `tracking`: the spec's TrackingConfig), or a no-op one
+    when $VLASLURM_TRACKING=off.
 
     Never raises: a tracker that cannot start costs the run its MLflow records, not its training.
     """
     if os.environ.get(SWITCH_ENV, "").strip().lower() in ("0", "off", "false", "no"):
         return NoTracker()
     try:
-        return Tracker(run_dir, tracking_uri(spec.tracking.uri, run_dir), spec.tracking.experiment, **options).start()
+        return Tracker(run_dir, tracking_uri(tracking.uri, run_dir), tracking.experiment, **options).start()
     except Exception as exc:
         log.warning("tracking disabled for this run: %s", exc)
         return NoTracker()
@@ -418,14 +446,17 @@ def sync_run(run_dir: Path, uri: Optional[str] = None, timeout_s: float = 120.0)
     import yaml
 
     run_dir = Path(run_dir)
-    tracking = (yaml.safe_load((run_dir / "spec.yaml").read_text()) or {}).get("tracking") or {}
-    tracker = Tracker(run_dir, uri or tracking_uri(tracking.get("uri"), run_dir), tracking.get("experiment", "vlaslurm"),
-                      poll_s=0.05, close_timeout_s=timeout_s).start()
+    tracking = (yaml.safe_load(RunDir(run_dir).spec.read_text()) or {}).get("tracking") or {}
+    tracker = Tracker(
+        run_dir,
+        uri or tracking_uri(tracking.get("uri"), run_dir),
+        tracking.get("experiment", "vlaslurm"),
+        poll_s=0.05,
+        close_timeout_s=timeout_s,
+    ).start()
     return tracker.close()
 
 
 def _write(path: Path, text: str) -> None:
-    from vlaslurm.runtime.rendezvous import write_atomic
-
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, text.encode(), mode=0o644)

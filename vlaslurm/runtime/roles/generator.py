@@ -1,26 +1,12 @@
 """The generator role: dynamic batching of observation requests into policy forwards.
 
-Requests wait until `rollout.batching.max_batch` items are ready or the oldest
-has waited `max_wait_ms`; one forward serves them all, and each reply carries the
-policy version that produced it. In the lock-step modes a request is a whole
-sub-group and each simulator has a fixed generator, so the batch is also ready
-once every simulator of this generator has a request waiting: nothing more can
-arrive, and waiting would only stall the phase (and, pipelined, the overlap). New weights are installed between batches.
-A request asking for a newer version than the generator has (lock-step phases)
-is held until that version arrives; with `stale_policy: hold` in async mode the
-generator also stops serving while rollouts run more than `max_staleness`
-versions ahead of what the trainer has consumed. While it holds, it tells the
-waiting simulators so (`held`), and they ship their open segments: otherwise
-the steps the trainer needs to move on could sit in unfinished episodes while
-the generator waits for the trainer, and neither would ever move.
-
-Collocated layout (`vlaslurm.runtime.offload`): the trainer announces the phase whose
-batch it took (`taken`); from then on that phase is over, so the model leaves the GPU
-for the trainer's update, which the generator tells trainer rank 0 (`offloaded`: the
-trainer moves onto the GPU only after every generator did), and comes back with the
-next weights (published only after every trainer rank left the GPU). The model is
-built in host memory and moves onto the device with the first weights.
+A batch is served when `rollout.batching.max_batch` items wait, the oldest has waited
+`max_wait_ms`, or (lock-step) every simulator of this generator has asked; each reply carries its
+policy version, and new weights are installed between batches. Requests for a newer version, and
+with `stale_policy: hold` rollouts too far ahead, wait (`held`). Collocated, the model leaves the
+GPU for the trainer's update. Details: docs/runtime.md
 """
+
 from __future__ import annotations
 
 import time
@@ -32,15 +18,16 @@ import torch
 
 from vlaslurm.log import get_logger, set_context
 from vlaslurm.models import PolicyInput, build_policy
+from vlaslurm.rundir import Counters, EventLog, Heartbeat
 from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime import signals
 from vlaslurm.runtime.context import RankContext, meet, world_roles
 from vlaslurm.runtime.offload import HOST, Offloader, OffloadReporter, offloads
-from vlaslurm.runtime.records import Counters, EventLog, Heartbeat
+from vlaslurm.runtime.schedule import Schedule
 from vlaslurm.runtime.transport import PeerUnreachable, Poller, Router, Sub
 from vlaslurm.runtime.weights import make_subscriber, wait_for_version
 from vlaslurm.spec.model_types import ModelConfig
-from vlaslurm.spec.schema import ExperimentSpec, RolloutConfig
+from vlaslurm.spec.schema import ExperimentSpec, Layout, RolloutConfig
 
 log = get_logger("vlaslurm.generator")
 WEIGHTS_CHECK_S = 0.5  # how often the weights are looked for without an announcement
@@ -55,10 +42,18 @@ class GeneratorConfig:
     model: ModelConfig
     rollout: RolloutConfig
     steps_per_update: int
+    layout: Layout  # resources.layout: collocated, the model leaves the GPU for the trainer's update
+    max_restarts: int  # resources.generator.max_restarts: > 0, its served record is written before it replies
 
     @classmethod
-    def from_spec(cls, spec: ExperimentSpec) -> "GeneratorConfig":
-        return cls(spec.model, spec.rollout, spec.algo.steps_per_update)
+    def from_spec(cls, spec: ExperimentSpec) -> GeneratorConfig:
+        return cls(
+            spec.model,
+            spec.rollout,
+            spec.algo.steps_per_update,
+            spec.resources.layout,
+            spec.resources.generator.max_restarts,
+        )
 
 
 @dataclass
@@ -70,36 +65,33 @@ class Pending:
 
 
 class Batcher:
-    """Which pending requests the next forward serves."""
+    """Which pending requests the next forward serves (the decisions are the schedule's)."""
 
-    def __init__(self, max_batch: int, max_wait_s: float, clients: int = 0) -> None:
-        self.max_batch, self.max_wait_s = max_batch, max_wait_s
-        self.clients = clients  # lock-step: simulators routed here; 0 = unknown (async)
+    def __init__(self, schedule: Schedule, clients: int = 0) -> None:
+        self.schedule = schedule
+        self.clients = clients  # lock-step: simulators routed here (`Schedule.clients`); 0 = any (async)
         self.pending: List[Pending] = []
 
     def servable(self, version: int) -> List[Pending]:
-        return [p for p in self.pending if p.request.min_version <= version]
+        return [p for p in self.pending if self.schedule.servable(p.request.min_version, version)]
 
     def ready(self, version: int, now: float) -> bool:
         servable = self.servable(version)
         if not servable:
             return False
-        items = sum(len(p.request) for p in servable)
-        everyone = self.clients > 0 and len({p.request.sim_rank for p in servable}) >= self.clients
-        return everyone or items >= self.max_batch or now - servable[0].arrived >= self.max_wait_s
+        senders = len({p.request.sim_rank for p in servable})
+        return self.schedule.batch_ready(
+            [len(p.request) for p in servable], senders, self.clients, now - servable[0].arrived
+        )
 
     def wait_s(self, version: int, now: float) -> float:
         servable = self.servable(version)
-        return max(0.0, servable[0].arrived + self.max_wait_s - now) if servable else 0.05
+        return max(0.0, servable[0].arrived + self.schedule.max_wait_s - now) if servable else 0.05
 
     def take(self, version: int) -> List[Pending]:
         """Oldest first up to max_batch items (a larger single request is served alone)."""
-        batch, items = [], 0
-        for p in self.servable(version):
-            if batch and items + len(p.request) > self.max_batch:
-                break
-            batch.append(p)
-            items += len(p.request)
+        servable = self.servable(version)
+        batch = servable[: self.schedule.batch_size([len(p.request) for p in servable])]
         for p in batch:
             self.pending.remove(p)
         return batch
@@ -107,6 +99,7 @@ class Batcher:
 
 def to_policy_input(requests: List[msgs.ObsRequest], device: torch.device) -> PolicyInput:
     """Stack the observations of several requests into one batch."""
+
     def cat(name: str) -> Optional[torch.Tensor]:
         parts = [getattr(r.obs, name) for r in requests]
         return None if parts[0] is None else torch.from_numpy(np.concatenate(parts)).to(device)
@@ -115,23 +108,21 @@ def to_policy_input(requests: List[msgs.ObsRequest], device: torch.device) -> Po
     return PolicyInput(cat("images"), cat("state"), [i for r in requests for i in r.obs.instructions], seeds)
 
 
-def replies(batch: List[Pending], version: int, rank: int, actions: np.ndarray, logprob: np.ndarray,
-            value: np.ndarray) -> Iterator[Tuple[Pending, msgs.ActReply]]:
+def replies(
+    batch: List[Pending], version: int, rank: int, actions: np.ndarray, logprob: np.ndarray, value: np.ndarray
+) -> Iterator[Tuple[Pending, msgs.ActReply]]:
     """Each request of `batch` with its reply: its rows of one forward's outputs, in the batch's order."""
     start = 0
     for p in batch:
         n = len(p.request)
         rows = slice(start, start + n)
-        yield p, msgs.ActReply(p.request.env_ids, p.request.sub_group, version, actions[rows], logprob[rows],
-                               value[rows], rank)
+        yield (
+            p,
+            msgs.ActReply(
+                p.request.env_ids, p.request.sub_group, version, actions[rows], logprob[rows], value[rows], rank
+            ),
+        )
         start += n
-
-
-def lockstep_clients(mode: str, rank: int, ranks) -> int:
-    """Simulators whose requests come to generator `rank` in the lock-step modes (sim_rank % generators)."""
-    if mode == "async":
-        return 0
-    return len(range(rank, ranks["simulator"], ranks["generator"]))
 
 
 class Generator:
@@ -140,18 +131,24 @@ class Generator:
     def __init__(self, cfg: GeneratorConfig, ctx: RankContext, router: Router) -> None:
         self.cfg, self.ctx, self.router = cfg, ctx, router
         dims = ctx.member("simulator", 0).extra
-        collocated = offloads(ctx.spec.resources.layout)  # then the trainer may hold the GPU now: start on the host
+        collocated = offloads(cfg.layout)  # then the trainer may hold the GPU now: start on the host
         self.policy = build_policy(cfg.model, **dims).to(HOST if collocated else ctx.device).eval()
         self.sub = Sub(ctx.secret, name="ctl<-trainer[0]")
         self.sub.connect(ctx.member("trainer", 0).endpoint("ctl"))
         self.poller = Poller(router, self.sub)
-        self.weights = make_subscriber(cfg.rollout.weight_sync, run_dir=ctx.run_dir, world=ctx.world,
-                                       device=ctx.device, timeout_s=ctx.deadlines.running_s)
-        self.batcher = Batcher(cfg.rollout.batching.max_batch, cfg.rollout.batching.max_wait_ms / 1000.0,
-                               lockstep_clients(cfg.rollout.mode, ctx.rank, ctx.info.ranks))
+        self.weights = make_subscriber(
+            cfg.rollout.weight_sync,
+            run_dir=ctx.run_dir,
+            world=ctx.world,
+            device=ctx.device,
+            timeout_s=ctx.deadlines.running_s,
+        )
+        self.schedule = Schedule.of(cfg.rollout, cfg.steps_per_update)
+        ranks = ctx.info.ranks
+        self.batcher = Batcher(self.schedule, self.schedule.clients(ctx.rank, ranks["simulator"], ranks["generator"]))
         # A generator that may be killed and restarted writes its served record before it replies, so the
         # record never misses a batch whose actions reached a simulator.
-        durable = ctx.spec.resources.generator.max_restarts > 0
+        durable = cfg.max_restarts > 0
         self.events = EventLog(ctx.run_dir, "generator", ctx.rank, flush_every=1 if durable else 512)
         self.incarnation = signals.incarnation()  # tells this process's served record from a killed one's
         self.counters = Counters(ctx.run_dir, "generator", ctx.rank)
@@ -165,8 +162,15 @@ class Generator:
         self.announced = 0  # newest version the trainer's announcements name
         self._next_weights_check = 0.0
         # The trainer moves onto the GPU only once every generator said that its model left it.
-        self.offloader = Offloader(collocated, ctx.device, self.events, ctx.now, module=self.policy,
-                                   on_device=not collocated, report=OffloadReporter.of(ctx, "generator"))
+        self.offloader = Offloader(
+            collocated,
+            ctx.device,
+            self.events,
+            ctx.now,
+            module=self.policy,
+            on_device=not collocated,
+            report=OffloadReporter.of(ctx, "generator", cfg.layout),
+        )
         self.taken = -1  # newest version whose phase the trainer took (lock-step): its model may leave the GPU
 
     def install(self, version: int, state_dict) -> None:
@@ -178,14 +182,15 @@ class Generator:
 
     def receive(self, timeout_s: float) -> None:
         for sock in self.poller.poll(int(timeout_s * 1000)):
-            while (got := sock.recv(0)) is not None:
-                if sock is self.sub:
-                    self.stop = self.stop or bool(got.meta["stop"])
-                    self.consumed_steps = max(self.consumed_steps, int(got.meta["consumed_steps"]))
-                    self.waiting_steps = int(got.meta.get("waiting", 0))  # the latest: it may go down
-                    self.announced = max(self.announced, int(got.meta["version"]))
-                    self.taken = max(self.taken, int(got.meta.get("taken", -1)))
-                else:
+            if sock is self.sub:
+                while (ctl := self.sub.recv(0)) is not None:
+                    self.stop = self.stop or bool(ctl.meta["stop"])
+                    self.consumed_steps = max(self.consumed_steps, int(ctl.meta["consumed_steps"]))
+                    self.waiting_steps = int(ctl.meta.get("waiting", 0))  # the latest: it may go down
+                    self.announced = max(self.announced, int(ctl.meta["version"]))
+                    self.taken = max(self.taken, int(ctl.meta.get("taken", -1)))
+            else:  # the router, the poller's only other socket
+                while (got := self.router.recv(0)) is not None:
                     peer, msg = got
                     self.batcher.pending.append(Pending(peer, msgs.decode_obs(msg), time.monotonic()))
         self.counters.sample("queue_len", sum(len(p.request) for p in self.batcher.pending))
@@ -204,8 +209,10 @@ class Generator:
             # A trainer that finished closes its store at once; its stop may still be on the way to us.
             if self.wait_for_stop(STOP_GRACE_S):
                 return None
-            raise RuntimeError(f"generator[{self.ctx.rank}]: trainer[0]'s store stopped answering ({err}) and no "
-                               f"stop came within {STOP_GRACE_S:g} s: the trainer died") from err
+            raise RuntimeError(
+                f"generator[{self.ctx.rank}]: trainer[0]'s store stopped answering ({err}) and no "
+                f"stop came within {STOP_GRACE_S:g} s: the trainer died"
+            ) from err
 
     def wait_for_stop(self, seconds: float) -> bool:
         """Take the trainer's announcements for up to `seconds`; whether it said stop."""
@@ -216,13 +223,9 @@ class Generator:
 
     def over_budget(self) -> bool:
         """Async `hold`: rollouts may run at most max_staleness versions ahead of the trainer."""
-        r = self.cfg.rollout
-        if r.mode != "async" or r.stale_policy != "hold":
-            return False
-        generators = self.ctx.info.ranks["generator"]
-        budget = (self.consumed_steps + self.waiting_steps + (r.max_staleness + 1) * self.cfg.steps_per_update) \
-            / generators
-        return self.served_steps >= budget
+        return self.schedule.holds(
+            self.served_steps, self.consumed_steps, self.waiting_steps, self.ctx.info.ranks["generator"]
+        )
 
     def serve(self, batch: List[Pending]) -> None:
         self.offloader.onload(self.version)  # only if a phase is redone (a restarted simulator) after the offload
@@ -233,8 +236,16 @@ class Generator:
         actions, logprob, value = (x.float().cpu().numpy() for x in (out.actions, out.logprob, out.value))
         t1 = self.ctx.now()
         items = [[e, ep, st] for r in requests for e, ep, st in zip(r.env_ids, r.episodes, r.steps)]
-        self.events.add("batch", t0=t0, t1=t1, v=self.version, n=len(items), inc=self.incarnation,
-                        g=sorted({r.sub_group for r in requests}), items=items)
+        self.events.add(
+            "batch",
+            t0=t0,
+            t1=t1,
+            v=self.version,
+            n=len(items),
+            inc=self.incarnation,
+            g=sorted({r.sub_group for r in requests}),
+            items=items,
+        )
         for p, reply in replies(batch, self.version, self.ctx.rank, actions, logprob, value):
             self.reply(p.peer, msgs.encode_act(reply))
             self.counters.sample("request_latency_s", time.monotonic() - p.arrived)
@@ -299,13 +310,12 @@ class Generator:
             sock.close()
 
 
-def run(ctx: RankContext, cfg: Optional[GeneratorConfig] = None) -> int:
+def run(ctx: RankContext, cfg: GeneratorConfig) -> int:
     """Entry point of a generator rank."""
-    cfg = cfg or GeneratorConfig.from_spec(ctx.spec)
     signals.install(drain_on_term=False)  # USR2 never kills a generator: the trainer's stop ends it
     router = Router(ctx.secret, name=f"generator[{ctx.rank}]")
     router.bind(ctx.address)
-    meet(ctx, ports={"obs": router.port}, roles=world_roles(ctx.spec))
+    meet(ctx, ports={"obs": router.port}, roles=world_roles(cfg.rollout.weight_sync))
     gen = Generator(cfg, ctx, router)
     gen.install(*wait_for_version(gen.weights, 0, ctx.deadlines.first_s))
     log.info("serving %s with batches up to %d", cfg.model.type, cfg.rollout.batching.max_batch)

@@ -1,23 +1,12 @@
 """The simulator role: steps its share of `env.num_envs` and ships segments to the trainer.
 
-Modes are two small loops over the same pieces:
-- `lockstep_loop`: sync (k = 1) and pipelined (k = pipeline_depth sub-groups,
-  each asking for its next actions the moment its chunk ends, so one sub-group
-  steps while the generator serves another). Each rollout phase acts with one
-  policy version, then waits for the next.
-- `async_loop`: every environment sends its own request the moment its
-  observation is ready and steps the moment its actions arrive.
-
-Both step through a `Stepper`: chunks run in worker threads (one per sub-group
-or instance, when the env allows disjoint sets to step at once) while the main
-thread keeps the sockets, so stepping never blocks sending or receiving.
-
-In sync mode every rollout phase starts from reset, each environment seeded from
-(seed, version, env id), and episode numbers are a function of the version: a
-phase's trajectories depend on nothing but the weights of its version, so a run
-resumed from a checkpoint, or a restarted simulator redoing its phase, produces
-exactly what an uninterrupted run would have.
+Two small loops over the same pieces: `lockstep_loop` (sync, and pipelined with k sub-groups)
+and `async_loop` (every environment requests and steps on its own). Both step through a
+`Stepper`, whose threads run the chunks while the main thread keeps the sockets. In sync mode a
+phase's trajectories depend only on its version's weights, so resumed and restarted runs repeat it.
+Details: docs/runtime.md
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,11 +14,11 @@ import os
 import queue
 import sys
 import threading
-import traceback
 import time
+import traceback
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union, cast
 
 import numpy as np
 import zmq
@@ -37,12 +26,13 @@ import zmq
 from vlaslurm.envs import make_env, preflight
 from vlaslurm.envs.base import VecEnv
 from vlaslurm.log import get_logger
+from vlaslurm.rundir import Counters, EventLog, Heartbeat
 from vlaslurm.runtime import checkpoint as ckpt
 from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime import signals
 from vlaslurm.runtime.context import RankContext, meet, world_roles
-from vlaslurm.runtime.episodes import ChunkResult, EnvTrack, chunks_per_phase, mix_seed, run_chunk, split_obs, stack_obs
-from vlaslurm.runtime.records import Counters, EventLog, Heartbeat
+from vlaslurm.runtime.episodes import ChunkResult, EnvObs, EnvTrack, mix_seed, run_chunk, split_obs, stack_obs
+from vlaslurm.runtime.schedule import Schedule
 from vlaslurm.runtime.transport import Dealer, Poller, Push, SendTimeout, Sub
 from vlaslurm.spec.env_types import EnvConfig
 from vlaslurm.spec.schema import ExperimentSpec, RolloutConfig
@@ -62,16 +52,21 @@ class SimulatorConfig:
     group_size: int = 1  # GRPO: environments env_id // group_size reset from one seed (the same task and state)
 
     @classmethod
-    def from_spec(cls, spec: ExperimentSpec) -> "SimulatorConfig":
-        group = spec.algo.group_size if spec.algo.type == "grpo" else 1
-        return cls(spec.env, spec.rollout, spec.model.action_chunk, spec.algo.steps_per_update, group)
+    def from_spec(cls, spec: ExperimentSpec) -> SimulatorConfig:
+        return cls(
+            spec.env, spec.rollout, spec.model.action_chunk, spec.algo.steps_per_update, spec.algo.episodes_per_group
+        )
+
+    @property
+    def schedule(self) -> Schedule:
+        return Schedule.of(self.rollout, self.steps_per_update, self.group_size)
 
 
 class SimulatorIO:
     """The simulator's sockets: one Dealer per generator, a Push to the trainer, a Sub to its announcements."""
 
-    def __init__(self, ctx: RankContext, mode: str) -> None:
-        self.ctx = ctx
+    def __init__(self, ctx: RankContext, schedule: Schedule) -> None:
+        self.ctx, self.schedule = ctx, schedule
         gens = ctx.info.ranks["generator"]
         self.dealers = [self._dealer(g, ctx.member("generator", g)) for g in range(gens)]
         self.gen_pids = [ctx.member("generator", g).pid for g in range(gens)]
@@ -84,11 +79,10 @@ class SimulatorIO:
         self.push.connect(trainer.endpoint("segments"))
         self.sub = Sub(ctx.secret, name="ctl<-trainer[0]")
         self.sub.connect(trainer.endpoint("ctl"))
-        self.poller = Poller(self.sub, *self.dealers)
+        self.poller: Poller[Union[Sub, Dealer]] = Poller(self.sub, *self.dealers)
         self.outstanding = [0] * gens
         self.waiting_since = [0.0] * gens  # since when each generator owes us a reply (monotonic)
         self.answered = [False] * gens  # has it ever replied (first deadline until it has)
-        self.fixed = mode != "async"  # lock-step modes route deterministically
         self.version = -1
         self.stop = False
         self.shipped_segments = 0
@@ -102,7 +96,7 @@ class SimulatorIO:
         return dealer
 
     def send(self, req: msgs.ObsRequest) -> None:
-        gen = req.sim_rank % len(self.dealers) if self.fixed else int(np.argmin(self.outstanding))
+        gen = self.schedule.route(req.sim_rank, self.outstanding)
         req.sent_at = self.ctx.now()
         message = msgs.encode_obs(req)
         self.dealers[gen].send(message)
@@ -124,8 +118,13 @@ class SimulatorIO:
             member = self.ctx.rendezvous.read("generator", g)
             if member is None or member.pid == self.gen_pids[g]:
                 continue
-            log.warning("generator[%d] was restarted (pid %d -> %d); reconnecting and resending %d requests",
-                        g, self.gen_pids[g], member.pid, n)
+            log.warning(
+                "generator[%d] was restarted (pid %d -> %d); reconnecting and resending %d requests",
+                g,
+                self.gen_pids[g],
+                member.pid,
+                n,
+            )
             self.poller.unregister(self.dealers[g])
             self.dealers[g].close()
             self.dealers[g] = self._dealer(g, member)
@@ -146,8 +145,10 @@ class SimulatorIO:
         for g, n in enumerate(self.outstanding):
             limit = self.ctx.deadlines.running_s if self.answered[g] else self.ctx.deadlines.first_s
             if n > 0 and now - self.waiting_since[g] > limit:
-                raise TimeoutError(f"simulator[{self.ctx.rank}]: generator[{g}] sent no actions for {limit:g} s "
-                                   f"({n} requests outstanding; host {self.ctx.member('generator', g).host})")
+                raise TimeoutError(
+                    f"simulator[{self.ctx.rank}]: generator[{g}] sent no actions for {limit:g} s "
+                    f"({n} requests outstanding; host {self.ctx.member('generator', g).host})"
+                )
 
     def poll(self, timeout_ms: int) -> List[msgs.ActReply]:
         """Replies that arrived within `timeout_ms`; also takes in the trainer's announcements."""
@@ -162,8 +163,12 @@ class SimulatorIO:
                     if self.inflight.pop(reply.env_ids[0], None) is None:
                         # Answered already (a request resent to a restarted generator): stepping its
                         # instances twice, from two threads, would corrupt their episodes.
-                        log.warning("simulator[%d]: dropped a second reply for envs %s from generator[%d]",
-                                    self.ctx.rank, list(reply.env_ids), reply.gen_rank)
+                        log.warning(
+                            "simulator[%d]: dropped a second reply for envs %s from generator[%d]",
+                            self.ctx.rank,
+                            list(reply.env_ids),
+                            reply.gen_rank,
+                        )
                         self.duplicates += 1
                         continue
                     self.outstanding[reply.gen_rank] -= 1
@@ -192,8 +197,9 @@ class SimulatorIO:
             except SendTimeout:
                 self._take_ctl()
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"simulator[{self.ctx.rank}]: trainer[0] took no segment for "
-                                       f"{self.ctx.deadlines.running_s:g} s") from None
+                    raise TimeoutError(
+                        f"simulator[{self.ctx.rank}]: trainer[0] took no segment for {self.ctx.deadlines.running_s:g} s"
+                    ) from None
 
     def finish(self, leftovers: List[msgs.Segment]) -> None:
         """After a stop: ship the open segments, then say how much was shipped in all."""
@@ -214,14 +220,23 @@ class SimulatorIO:
 class Simulator:
     """One simulator rank's environments and records."""
 
-    def __init__(self, cfg: SimulatorConfig, ctx: RankContext, env: VecEnv, first_gid: int,
-                 incarnation: int = 0, episode_base: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: SimulatorConfig,
+        ctx: RankContext,
+        env: VecEnv,
+        first_gid: int,
+        incarnation: int = 0,
+        episode_base: int = 0,
+    ) -> None:
         self.cfg, self.ctx, self.env = cfg, ctx, env
         self.seed = cfg.rollout.seed
         self.incarnation = incarnation
         self.stuck: List[int] = []  # instances left in a step that never returned (`Stepper`)
-        self.tracks = [EnvTrack(first_gid + i, i, env.tasks[i], MAX_SEGMENT_STEPS, ctx.now, ctx.rank, incarnation)
-                       for i in range(env.num_envs)]
+        self.tracks = [
+            EnvTrack(first_gid + i, i, env.tasks[i], MAX_SEGMENT_STEPS, ctx.now, ctx.rank, incarnation)
+            for i in range(env.num_envs)
+        ]
         for track in self.tracks:
             track.episode = episode_base - 1  # the first reset starts episode `episode_base`
         self.events = EventLog(ctx.run_dir, "simulator", ctx.rank)
@@ -230,11 +245,13 @@ class Simulator:
         self.env_steps = 0
         self.group = cfg.group_size
         if env.num_envs % self.group:
-            raise ValueError(f"algo.group_size ({self.group}) must divide the {env.num_envs} environments of each "
-                             "simulator rank (env.num_envs / simulator ranks)")
-        # Async GRPO: a finished member waits until its whole group has finished, then they start together,
-        # so a group's episodes run side by side (same policy versions, complete at about the same time).
-        self.barrier = self.group > 1 and cfg.rollout.mode == "async"
+            raise ValueError(
+                f"algo.group_size ({self.group}) must divide the {env.num_envs} environments of each "
+                "simulator rank (env.num_envs / simulator ranks)"
+            )
+        self.schedule = cfg.schedule
+        # Async GRPO (`whole_groups`): a finished member waits until its whole group has finished, then they
+        # start together, so a group's episodes run side by side (same versions, complete at about one time).
         self.waiting: set = set()
         self.released: List[int] = []
 
@@ -242,10 +259,9 @@ class Simulator:
         """Start the next episode of each listed instance, seeded by run seed, group (env id // group size)
         and episode: members of a GRPO group start from the same state with the same instruction.
         Returns the instances that started (with the async GRPO barrier, whole groups only)."""
-        if self.barrier:
+        if self.schedule.whole_groups:
             self.waiting.update(locals_)
-            locals_ = [i for i in sorted(self.waiting)
-                       if all(m in self.waiting for m in range(i - i % self.group, i - i % self.group + self.group))]
+            locals_ = self.schedule.released(self.waiting)
             self.waiting.difference_update(locals_)
             if not locals_:
                 return []
@@ -267,10 +283,15 @@ class Simulator:
     def request(self, locals_: List[int], sub_group: int, min_version: int) -> msgs.ObsRequest:
         tracks = [self.tracks[i] for i in locals_]
         return msgs.ObsRequest(
-            env_ids=[t.gid for t in tracks], episodes=[t.episode for t in tracks], steps=[t.step for t in tracks],
+            env_ids=[t.gid for t in tracks],
+            episodes=[t.episode for t in tracks],
+            steps=[t.step for t in tracks],
             seeds=[mix_seed(self.seed, t.gid, t.episode, t.step, 1) for t in tracks],
-            obs=stack_obs([t.obs for t in tracks]), sub_group=sub_group, min_version=min_version,
-            sim_rank=self.ctx.rank)
+            obs=stack_obs([cast(EnvObs, t.obs) for t in tracks]),
+            sub_group=sub_group,
+            min_version=min_version,
+            sim_rank=self.ctx.rank,
+        )
 
     def apply(self, locals_: List[int], reply: msgs.ActReply, result: ChunkResult) -> List[msgs.Segment]:
         """Record a chunk's outcome per instance; reset finished ones; return completed segments."""
@@ -279,10 +300,18 @@ class Simulator:
         for row_res, i in enumerate(locals_):
             track = self.tracks[i]
             row = index[track.gid]
-            done += track.record(reply.version, reply.actions[row], reply.logprob[row], float(reply.value[row]),
-                                 result.rewards[row_res], result.mask[row_res], result.last_obs[row_res],
-                                 bool(result.terminated[row_res]), bool(result.truncated[row_res]),
-                                 bool(result.success[row_res]))
+            done += track.record(
+                reply.version,
+                reply.actions[row],
+                reply.logprob[row],
+                float(reply.value[row]),
+                result.rewards[row_res],
+                result.mask[row_res],
+                result.last_obs[row_res],
+                bool(result.terminated[row_res]),
+                bool(result.truncated[row_res]),
+                bool(result.success[row_res]),
+            )
             if result.terminated[row_res] or result.truncated[row_res]:
                 finished.append(i)
         if finished:
@@ -295,7 +324,7 @@ class Simulator:
     def next_requests(self, local: int) -> List[int]:
         """Instances to ask actions for after `local` stepped: itself, unless it waits for its group; and the
         group members its finish released."""
-        if not self.barrier:
+        if not self.schedule.whole_groups:
             return [local]
         released, self.released = self.released, []
         return released or ([] if local in self.waiting else [local])
@@ -324,14 +353,16 @@ class Simulator:
             self.env.close()
 
 
-def wait_version(sim: "Simulator", io: SimulatorIO, version: int) -> None:
+def wait_version(sim: Simulator, io: SimulatorIO, version: int) -> None:
     """Block until the trainer announces `version` (or a stop); name the trainer if it stays silent."""
     limit = sim.ctx.deadlines.first_s if version == 0 else sim.ctx.deadlines.running_s
     deadline = time.monotonic() + limit
     while io.version < version and not io.stop:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"simulator[{sim.ctx.rank}]: trainer[0] announced no version {version} within "
-                               f"{limit:g} s (last seen: {io.version})")
+            raise TimeoutError(
+                f"simulator[{sim.ctx.rank}]: trainer[0] announced no version {version} within "
+                f"{limit:g} s (last seen: {io.version})"
+            )
         io.poll(100)
         sim.tick(io.version)
 
@@ -339,10 +370,12 @@ def wait_version(sim: "Simulator", io: SimulatorIO, version: int) -> None:
 class StuckStep(TimeoutError):
     """A chunk has been in env.step for longer than the running deadline."""
 
-    def __init__(self, sim: "Simulator", instances: List[int], age_s: float, limit_s: float) -> None:
+    def __init__(self, sim: Simulator, instances: List[int], age_s: float, limit_s: float) -> None:
         gids = [sim.tracks[i].gid for i in instances]
-        super().__init__(f"simulator[{sim.ctx.rank}]: environment(s) {gids} (local {instances}) have been in "
-                         f"env.step for {age_s:.0f} s (runtime.timeout_s={limit_s:g}): the simulator hangs there")
+        super().__init__(
+            f"simulator[{sim.ctx.rank}]: environment(s) {gids} (local {instances}) have been in "
+            f"env.step for {age_s:.0f} s (runtime.timeout_s={limit_s:g}): the simulator hangs there"
+        )
         self.instances = instances
 
 
@@ -356,11 +389,12 @@ class Stepper:
     end, chunks under way stop after their current step: a stop need not wait for a whole chunk of slow steps,
     and waits at most the running deadline for a step that never returns (`stuck`)."""
 
-    def __init__(self, sim: "Simulator", io: SimulatorIO, workers: int) -> None:
+    def __init__(self, sim: Simulator, io: SimulatorIO, workers: int) -> None:
         self.sim, self.io = sim, io
-        self.done: "queue.Queue[tuple]" = queue.Queue()
+        self.done: queue.Queue[tuple] = queue.Queue()
         self.wake = _Waker()
-        io.poller.register(self.wake.pull)
+        # A bare wake-up socket: it has the `.socket` and `.recv` the Poller uses, not a _Socket's type.
+        io.poller.register(self.wake.pull)  # type: ignore[arg-type]
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env") if workers else None
         self.running: Dict[Future, Tuple[List[int], List[float]]] = {}  # chunk -> (instances, [its step start])
         self.cancel = threading.Event()
@@ -388,6 +422,7 @@ class Stepper:
     def _step(self, g: int, locals_: List[int], reply: msgs.ActReply, started: Optional[List[float]] = None) -> None:
         t0 = self.sim.ctx.now()
         mark = (lambda: started.__setitem__(0, time.monotonic())) if started is not None else None
+        result: Union[ChunkResult, BaseException]
         try:
             result = run_chunk(self.sim.env, np.asarray(locals_), reply.actions, self.cancel, mark)
         except BaseException as exc:  # noqa: BLE001 - raised in the main loop by `finished`
@@ -407,8 +442,9 @@ class Stepper:
             if isinstance(result, BaseException):
                 raise result
             self.sim.counters.busy(t1 - t0)
-            self.sim.events.add("step", t0=t0, t1=t1, g=g, v=reply.version, n=len(locals_),
-                                steps=int(result.mask.sum()))
+            self.sim.events.add(
+                "step", t0=t0, t1=t1, g=g, v=reply.version, n=len(locals_), steps=int(result.mask.sum())
+            )
             out.append((g, reply, result))
         return out
 
@@ -425,22 +461,26 @@ class Stepper:
             _, late = wait([f for f in self.running if not f.cancelled()], timeout=wait_s)
             stuck = sorted(i for f in late for i in self.running[f][0])
             if stuck and not self.sim.stuck:
-                log.error("%d instance(s) (local %s) still in env.step %.0f s after the stop (half of "
-                          "runtime.timeout_s): the simulator hangs there; this rank ends without them", len(stuck),
-                          stuck, wait_s)
+                log.error(
+                    "%d instance(s) (local %s) still in env.step %.0f s after the stop (half of "
+                    "runtime.timeout_s): the simulator hangs there; this rank ends without them",
+                    len(stuck),
+                    stuck,
+                    wait_s,
+                )
             self.sim.stuck = self.sim.stuck or stuck
-        self.io.poller.unregister(self.wake.pull)
+        self.io.poller.unregister(self.wake.pull)  # type: ignore[arg-type]
         self.wake.close()
         self.open = False
 
 
-def lockstep_loop(sim: Simulator, io: SimulatorIO, depth: int, cfg: SimulatorConfig) -> None:
+def lockstep_loop(sim: Simulator, io: SimulatorIO, cfg: SimulatorConfig) -> None:
     """Sync (depth 1) and pipelined (depth k): phases of one version; each sub-group asks for its next
     actions as soon as its chunk ends, and steps as soon as they arrive, while the others are served or step."""
-    groups = [list(map(int, g)) for g in np.array_split(np.arange(sim.env.num_envs), depth) if len(g)]
-    per_phase = chunks_per_phase(cfg.steps_per_update, cfg.env.num_envs, cfg.action_chunk, depth,
-                                 cfg.env.episode_limit())
-    stepper = Stepper(sim, io, len(groups) if sim.env.thread_safe else 0)
+    schedule = sim.schedule
+    groups = schedule.sub_groups(sim.env.num_envs)
+    per_phase = schedule.phase_chunks(cfg.env.num_envs, cfg.action_chunk, cfg.env.episode_limit())
+    stepper = Stepper(sim, io, schedule.step_threads(sim.env.num_envs, sim.env.thread_safe))
     try:
         wait_version(sim, io, 0)
         version = max(io.version, 0)  # a resumed trainer starts at its checkpoint's version
@@ -448,14 +488,13 @@ def lockstep_loop(sim: Simulator, io: SimulatorIO, depth: int, cfg: SimulatorCon
             wait_version(sim, io, version)
             if io.stop:
                 break
-            if depth == 1:
+            if schedule.resets_each_phase:
                 sim.start_phase(version, per_phase + 1)  # a phase holds at most per_phase + 1 episodes
             if not run_phase(sim, io, stepper, groups, version, per_phase):
                 break
             segments = sim.cut_all()
             io.ship(segments)
-            io.send_to_trainer(msgs.phase_end(version, sim.ctx.rank, sim.env_steps, len(segments),
-                                              sim.incarnation))
+            io.send_to_trainer(msgs.phase_end(version, sim.ctx.rank, sim.env_steps, len(segments), sim.incarnation))
             version += 1
     finally:
         stepper.close()
@@ -463,8 +502,9 @@ def lockstep_loop(sim: Simulator, io: SimulatorIO, depth: int, cfg: SimulatorCon
         io.ship(sim.apply(groups[g], reply, result))
 
 
-def run_phase(sim: Simulator, io: SimulatorIO, stepper: Stepper, groups: List[List[int]], version: int,
-              per_phase: int) -> bool:
+def run_phase(
+    sim: Simulator, io: SimulatorIO, stepper: Stepper, groups: List[List[int]], version: int, per_phase: int
+) -> bool:
     """`per_phase` chunks of every sub-group with weights `version`; False if the trainer said stop."""
     remaining = [per_phase] * len(groups)
     for g, locals_ in enumerate(groups):
@@ -488,7 +528,7 @@ def run_phase(sim: Simulator, io: SimulatorIO, stepper: Stepper, groups: List[Li
 
 def async_loop(sim: Simulator, io: SimulatorIO) -> None:
     """Every environment on its own: request when ready, step when its actions arrive."""
-    stepper = Stepper(sim, io, sim.env.num_envs if sim.env.thread_safe else 0)
+    stepper = Stepper(sim, io, sim.schedule.step_threads(sim.env.num_envs, sim.env.thread_safe))
     for i in range(sim.env.num_envs):
         io.send(sim.request([i], i, 0))
     first = sim.tracks[0]
@@ -517,7 +557,7 @@ class _Waker:
     """Wakes the main loop's poller from worker threads (ZeroMQ sockets stay in their own threads)."""
 
     def __init__(self) -> None:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket] = zmq.Context.instance()
         self.address = f"inproc://wake-{id(self)}"
         self.pull = _Raw(ctx.socket(zmq.PULL))
         self.pull.socket.bind(self.address)
@@ -561,13 +601,16 @@ class _Raw:
 
 def env_dims(env: VecEnv, cfg: EnvConfig) -> Dict[str, int]:
     """What generators and trainer need to build the policy, published through the rendezvous."""
-    return {"action_dim": env.action_dim, "state_dim": env.state_dim,
-            "image_size": cfg.obs.image_size, "num_cameras": len(cfg.obs.cameras) if cfg.obs.image_size else 0}
+    return {
+        "action_dim": env.action_dim,
+        "state_dim": env.state_dim,
+        "image_size": cfg.obs.image_size,
+        "num_cameras": len(cfg.obs.cameras) if cfg.obs.image_size else 0,
+    }
 
 
-def run(ctx: RankContext, cfg: Optional[SimulatorConfig] = None) -> int:
+def run(ctx: RankContext, cfg: SimulatorConfig) -> int:
     """Entry point of a simulator rank."""
-    cfg = cfg or SimulatorConfig.from_spec(ctx.spec)
     ranks = ctx.info.ranks["simulator"]
     local_count = cfg.env.num_envs // ranks
     signals.install(drain_on_term=False)
@@ -575,24 +618,29 @@ def run(ctx: RankContext, cfg: Optional[SimulatorConfig] = None) -> int:
     if report := preflight.check_once_per_node(cfg.env, ctx.rank):
         log.info("%s", report.text())
     env = make_env(cfg.env, num_envs=local_count, rank=ctx.rank, seed=cfg.rollout.seed, group_size=cfg.group_size)
-    meet(ctx, ports={}, extra=env_dims(env, cfg.env), roles=world_roles(ctx.spec))
-    io = SimulatorIO(ctx, cfg.rollout.mode)
+    meet(ctx, ports={}, extra=env_dims(env, cfg.env), roles=world_roles(cfg.rollout.weight_sync))
+    io = SimulatorIO(ctx, cfg.schedule)
     if incarnation:
         io.send_to_trainer(msgs.sim_restart(ctx.rank, incarnation))
     # A restarted or resumed simulator numbers its episodes past any of its predecessors (run clock in ms).
     fresh = incarnation == 0 and ckpt.latest(ctx.run_dir) is None
-    sim = Simulator(cfg, ctx, env, first_gid=ctx.rank * local_count, incarnation=incarnation,
-                    episode_base=0 if fresh else int(ctx.now() * 1000))
-    if cfg.rollout.mode != "sync":  # sync resets at the start of every phase
+    sim = Simulator(
+        cfg,
+        ctx,
+        env,
+        first_gid=ctx.rank * local_count,
+        incarnation=incarnation,
+        episode_base=0 if fresh else int(ctx.now() * 1000),
+    )
+    if not sim.schedule.resets_each_phase:  # else every phase starts from reset
         sim.reset(list(range(local_count)))
     log.info("%d environments of %s, mode %s", local_count, cfg.env.type, cfg.rollout.mode)
     code = 0
     try:
-        if cfg.rollout.mode == "async":
-            async_loop(sim, io)
+        if sim.schedule.lockstep:
+            lockstep_loop(sim, io, cfg)
         else:
-            depth = cfg.rollout.pipeline_depth if cfg.rollout.mode == "pipelined" else 1
-            lockstep_loop(sim, io, depth, cfg)
+            async_loop(sim, io)
         io.finish(sim.cut_all())
     except Exception as exc:  # noqa: BLE001 - with a thread stuck in a step, the usual way out would hang
         if not sim.stuck:

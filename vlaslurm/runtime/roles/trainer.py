@@ -1,31 +1,19 @@
 """The trainer role: consumes segments, updates the policy, publishes versioned weights.
 
-Trainer rank 0 collects segments, enforces the staleness bound (`max_staleness`
-Δv: lag = the trainer's version - the segment's behaviour version), decides
-when a batch is complete — at the end of each rollout phase in sync and
-pipelined modes, after `algo.steps_per_update` env steps in async mode — and
-writes the ledger. Every trainer rank runs the update (data parallel).
-
-Checkpoints (`vlaslurm.runtime.checkpoint`): rank 0 saves every
-`checkpoint.every_versions` versions and when a drain signal (USR2, TERM)
-arrives, always at an update boundary, so a resumed run repeats no optimizer
-step and loses none. Every rank resumes from the newest checkpoint of the run
-directory when there is one.
-
-Collocated layout (`vlaslurm.runtime.offload`): every trainer rank keeps its model and
-optimizer state in host memory during rollout phases and moves them onto the GPU for
-the update. Rank 0 announces the phase it took (`taken`), which tells the generators to
-leave the GPU; it moves on only once every generator said so (`offloaded`), and then
-releases the other ranks with the batch. After the update every rank moves off again
-and says so, and rank 0 publishes the next weights only once all of them did.
+Trainer rank 0 collects segments, enforces `max_staleness`, decides when a batch is complete
+and writes the ledger; every trainer rank runs the update (data parallel). Rank 0 checkpoints
+at update boundaries (every `checkpoint.every_versions`, and on USR2/TERM); every rank resumes
+from the newest. Collocated, model and optimizer live in host memory between updates.
+Details: docs/runtime.md
 """
+
 from __future__ import annotations
 
 import json
 import time
 from collections import deque
-from datetime import timedelta
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Deque, Dict, List, Optional, Set, Tuple
 
 import msgpack
@@ -33,23 +21,24 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from vlaslurm.algos.batch import TrainBatch, collate, complete_groups, decode_strings, encode_strings
+from vlaslurm.algos.batch import TrainBatch, collate, decode_strings, encode_strings
 from vlaslurm.algos.learners import DataParallel, make_learner
 from vlaslurm.log import get_logger, set_context
 from vlaslurm.models import build_policy
+from vlaslurm.rundir import Counters, EventLog, Heartbeat, RunDir, append_metrics, read_heartbeat
 from vlaslurm.runtime import checkpoint as ckpt
 from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime import signals
 from vlaslurm.runtime.context import RankContext, meet, world_roles
 from vlaslurm.runtime.failures import FailureKeeper
-from vlaslurm.runtime.offload import Offloader, OffloadReporter, OffloadReports, offloads
 from vlaslurm.runtime.ledger import Ledger
-from vlaslurm.runtime.records import Counters, EventLog, Heartbeat
+from vlaslurm.runtime.offload import Offloader, OffloadReporter, OffloadReports, offloads
+from vlaslurm.runtime.schedule import Schedule
 from vlaslurm.runtime.transport import Pub, Pull
 from vlaslurm.runtime.weights import make_publisher
 from vlaslurm.spec.algo_types import AlgoConfig
 from vlaslurm.spec.model_types import ModelConfig
-from vlaslurm.spec.schema import CheckpointConfig, ExperimentSpec, RolloutConfig
+from vlaslurm.spec.schema import CheckpointConfig, ExperimentSpec, Layout, RolloutConfig, TrackingConfig
 from vlaslurm.tracking import open_tracker
 
 log = get_logger("vlaslurm.trainer")
@@ -63,10 +52,12 @@ class TrainerConfig:
     model: ModelConfig
     rollout: RolloutConfig
     checkpoint: CheckpointConfig
+    tracking: TrackingConfig
+    layout: Layout  # resources.layout: collocated, model and optimizer leave the GPU during rollouts
 
     @classmethod
-    def from_spec(cls, spec: ExperimentSpec) -> "TrainerConfig":
-        return cls(spec.algo, spec.model, spec.rollout, spec.checkpoint)
+    def from_spec(cls, spec: ExperimentSpec) -> TrainerConfig:
+        return cls(spec.algo, spec.model, spec.rollout, spec.checkpoint, spec.tracking, spec.resources.layout)
 
 
 class Collector:
@@ -74,9 +65,8 @@ class Collector:
 
     def __init__(self, cfg: TrainerConfig, ctx: RankContext, pull: Pull, pub: Pub) -> None:
         self.cfg, self.ctx, self.pull, self.pub = cfg, ctx, pull, pub
-        self.lockstep = cfg.rollout.mode != "async"
-        # GRPO in async mode trains on whole groups of whole episodes: segments wait here until theirs ends.
-        self.group_size = cfg.algo.group_size if cfg.algo.type == "grpo" and not self.lockstep else 0
+        # When a batch is complete, which segments it takes, which are stale: the mode's schedule.
+        self.schedule = Schedule.of(cfg.rollout, cfg.algo.steps_per_update, cfg.algo.episodes_per_group)
         # What the generator's `hold` budget compares with its served steps: whole chunks (it cannot know
         # that an episode ended inside a chunk), so that the two counts never drift apart.
         self.consumed_slots = 0
@@ -92,7 +82,7 @@ class Collector:
         self.events = EventLog(ctx.run_dir, "trainer", 0)
         self.counters = Counters(ctx.run_dir, "trainer", 0)
         self.heartbeat = Heartbeat(ctx.run_dir, "trainer", 0)
-        self.failures = FailureKeeper(ctx.run_dir, ctx.spec.tracking.failures_per_task)
+        self.failures = FailureKeeper(ctx.run_dir, cfg.tracking.failures_per_task)
         self.window: List[bool] = []  # success of episodes finished since the last report
         self.started = time.monotonic()
         self.last_arrival = time.monotonic()
@@ -106,26 +96,39 @@ class Collector:
 
     def mark_boundary(self, version: int) -> None:
         """Remember the counters as they are between two updates: what a checkpoint of `version` holds."""
-        self._boundary = (version, self.received_steps, self.consumed_steps, self.dropped, len(self.ledger.rows),
-                          dict(self.counters.values))
+        self._boundary = (
+            version,
+            self.received_steps,
+            self.consumed_steps,
+            self.dropped,
+            len(self.ledger.rows),
+            dict(self.counters.values),
+        )
 
     def checkpoint_state(self) -> Tuple[ckpt.TrainerState, List[dict]]:
         version, received, consumed, dropped, rows, counters = self._boundary
-        state = ckpt.TrainerState(version=version, received_steps=received, consumed_steps=consumed,
-                                  dropped=dropped, counters=counters)
+        state = ckpt.TrainerState(
+            version=version, received_steps=received, consumed_steps=consumed, dropped=dropped, counters=counters
+        )
         return state, self.ledger.rows[:rows]
 
     def restore(self, state: ckpt.TrainerState, rows: List[dict]) -> None:
         """Continue from a checkpoint: its counters and ledger rows (metrics past it are forgotten)."""
-        self.received_steps, self.consumed_steps, self.dropped = (state.received_steps, state.consumed_steps,
-                                                                   state.dropped)
+        self.received_steps, self.consumed_steps, self.dropped = (
+            state.received_steps,
+            state.consumed_steps,
+            state.dropped,
+        )
         self.counters.values.update(state.counters)
         self.counters.add("resumes")
         self.ledger.rows = list(rows)
-        metrics = self.ctx.run_dir / "metrics.jsonl"
+        metrics = RunDir(self.ctx.run_dir).metrics
         if metrics.exists():
-            kept = [line for line in metrics.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("version", 0) <= state.version]
+            kept = [
+                line
+                for line in metrics.read_text().splitlines()
+                if line.strip() and json.loads(line).get("version", 0) <= state.version
+            ]
             metrics.write_text("".join(line + "\n" for line in kept))
 
     def announce(self, version: int, stop: bool = False, force: bool = False) -> None:
@@ -142,7 +145,7 @@ class Collector:
         moves. While the trainer waits its version stands still, so what the generators serve meanwhile
         is no staler for it; once it can take a batch the credit is gone (`ctl`'s `waiting`, not latched).
         """
-        if not self.group_size or self.ready(version):
+        if not self.schedule.whole_groups or self.ready(version):
             return 0
         return sum(seg.length for seg in self.buffer) * self.cfg.model.action_chunk
 
@@ -188,7 +191,7 @@ class Collector:
         self.counters.add("simulator_restarts")
         log.warning("simulator[%d] restarted (incarnation %d)", rank, incarnation)
         self.received_from[rank] = 0
-        if not self.lockstep:
+        if not self.schedule.lockstep:
             return
         for ends in self.phase_ends.values():
             ends.discard(rank)
@@ -204,7 +207,9 @@ class Collector:
         """Whether a segment may be buffered: not from a dead incarnation (lock-step), not from a finished phase."""
         if seg.incarnation > self.incarnations.get(seg.sim_rank, 0):
             self._restarted(seg.sim_rank, seg.incarnation)
-        if self.lockstep and (seg.incarnation < self.incarnations.get(seg.sim_rank, 0) or seg.version < self._version):
+        if self.schedule.lockstep and (
+            seg.incarnation < self.incarnations.get(seg.sim_rank, 0) or seg.version < self._version
+        ):
             self._discard(seg, buffered=False)
             return False
         return True
@@ -218,59 +223,58 @@ class Collector:
         self.counters.add("discarded_steps", seg.steps)
 
     def ready(self, version: int) -> bool:
-        if self.lockstep:
-            return len(self.phase_ends.get(version, ())) == self.ctx.info.ranks["simulator"]
-        if self.buffered_steps < self.cfg.algo.steps_per_update:
-            return False
-        if self.group_size:
-            whole, _ = complete_groups(self.buffer, self.group_size)
-            return sum(s.steps for s in whole) >= self.cfg.algo.steps_per_update
-        return True
+        return self.schedule.update_ready(
+            self.buffer, self.buffered_steps, len(self.phase_ends.get(version, ())), self.ctx.info.ranks["simulator"]
+        )
 
     def take(self, version: int) -> List[msgs.Segment]:
-        """The next batch (oldest first); segments past the staleness bound are dropped and counted."""
-        used: List[msgs.Segment] = []
-        steps = 0
+        """The next batch (`Schedule.take`); segments past the staleness bound are dropped and counted."""
         now = self.ctx.now()
-        if self.lockstep:  # one order whatever the arrival order: the update is reproducible
-            self.buffer = deque(sorted(self.buffer, key=lambda s: (s.env_id, s.episode, s.index)))
-        rest: List[msgs.Segment] = []
-        if self.group_size:  # every complete group, none split: the rest waits for its episodes to end
-            whole, rest = complete_groups(self.buffer, self.group_size)
-            self.buffer = deque(whole)
-        while self.buffer and (self.lockstep or self.group_size or steps < self.cfg.algo.steps_per_update):
-            seg = self.buffer.popleft()
+        batch = self.schedule.take(self.buffer, version)
+        for seg in batch.consumed:
             self.buffered_steps -= seg.steps
             self.consumed_steps += seg.steps
             self.consumed_slots += seg.length * self.cfg.model.action_chunk
-            stale = version - seg.version > self.cfg.rollout.max_staleness
+            stale = self.schedule.stale(version, seg.version)
             self.ledger.add(seg, version, used=not stale, dropped=stale, t_consumed=now)
             if stale:
                 self.dropped += 1
                 self.counters.add("dropped_segments")
                 self.counters.add("dropped_steps", seg.steps)
-            else:
-                used.append(seg)
-                steps += seg.steps
-        self.buffer.extend(rest)
+        self.buffer = deque(batch.rest)
         self.phase_ends.pop(version, None)
-        return used
+        return batch.used
 
     def report(self, version: int, used: List[msgs.Segment], stats: Dict[str, float], update_s: float) -> None:
         wall = time.monotonic() - self.started
         lags = np.asarray([version - s.version for s in used]) if used else np.zeros(1)
-        row = {"version": version + 1, "env_steps": self.received_steps, "consumed_steps": self.consumed_steps,
-               "wall_s": wall, "charts/SPS": self.received_steps / wall if wall > 0 else 0.0,
-               "rollout/success_rate": float(np.mean(self.window)) if self.window else float("nan"),
-               "rollout/episodes": len(self.window), "staleness/mean": float(lags.mean()),
-               "staleness/p50": float(np.percentile(lags, 50)), "staleness/p99": float(np.percentile(lags, 99)),
-               "staleness/max": int(lags.max()), "staleness/dropped_segments": self.dropped,
-               "trainer/update_s": update_s, "trainer/batch_segments": len(used), **stats}
-        with (self.ctx.run_dir / "metrics.jsonl").open("a") as handle:
-            handle.write(json.dumps(row) + "\n")
-        log.info("progress v=%d env_steps=%d success=%.2f SPS=%.0f lag_mean=%.2f dropped=%d",
-                 version + 1, self.received_steps, row["rollout/success_rate"], row["charts/SPS"],
-                 row["staleness/mean"], self.dropped)
+        row = {
+            "version": version + 1,
+            "env_steps": self.received_steps,
+            "consumed_steps": self.consumed_steps,
+            "wall_s": wall,
+            "charts/SPS": self.received_steps / wall if wall > 0 else 0.0,
+            "rollout/success_rate": float(np.mean(self.window)) if self.window else float("nan"),
+            "rollout/episodes": len(self.window),
+            "staleness/mean": float(lags.mean()),
+            "staleness/p50": float(np.percentile(lags, 50)),
+            "staleness/p99": float(np.percentile(lags, 99)),
+            "staleness/max": int(lags.max()),
+            "staleness/dropped_segments": self.dropped,
+            "trainer/update_s": update_s,
+            "trainer/batch_segments": len(used),
+            **stats,
+        }
+        append_metrics(self.ctx.run_dir, row)
+        log.info(
+            "progress v=%d env_steps=%d success=%.2f SPS=%.0f lag_mean=%.2f dropped=%d",
+            version + 1,
+            self.received_steps,
+            row["rollout/success_rate"],
+            row["charts/SPS"],
+            row["staleness/mean"],
+            self.dropped,
+        )
         self.window = []
         self.counters.add("updates")
         self.counters.busy(update_s)
@@ -292,8 +296,9 @@ class Collector:
             log.warning("stopping without the last word of %s after %g s", ", ".join(missing), deadline_s)
         for rank, (segments, _) in sorted(self.sims_done.items()):
             if self.received_from.get(rank, 0) != segments:
-                log.warning("simulator[%d] shipped %d segments, %d arrived", rank, segments,
-                            self.received_from.get(rank, 0))
+                log.warning(
+                    "simulator[%d] shipped %d segments, %d arrived", rank, segments, self.received_from.get(rank, 0)
+                )
 
     def close(self) -> None:
         now = self.ctx.now()
@@ -309,11 +314,11 @@ class Collector:
 def generator_states(run_dir) -> Dict[str, str]:
     """Each generator rank's last reported state ('holding' or 'serving'), from its heartbeat."""
     states = {}
-    for path in sorted((run_dir / "heartbeats").glob("generator-*.json")):
-        try:
-            progress = json.loads(path.read_text()).get("progress", "")
-        except (OSError, ValueError):
+    for path in RunDir(run_dir).heartbeat_files("generator"):
+        beat = read_heartbeat(path)
+        if beat is None:
             continue
+        progress = beat.get("progress", "")
         states[path.stem] = "holding" if progress.endswith("holding") else "serving"
     return states
 
@@ -327,7 +332,8 @@ def check_starved(silent_s: float, limit_s: float, generators: Dict[str, str]) -
         f"no data for {silent_s:.0f} s while every generator holds ({', '.join(sorted(generators))}): the "
         "trainer waits for a batch the hold budget will not let rollouts finish; raise rollout.max_staleness "
         "or algo.steps_per_update (the budget is (max_staleness + 1) x steps_per_update), or use "
-        "rollout.stale_policy: drop")
+        "rollout.stale_policy: drop"
+    )
 
 
 def broadcast_batch(batch: Optional[TrainBatch], version: int, group, src: int) -> Tuple[int, Optional[TrainBatch]]:
@@ -336,9 +342,15 @@ def broadcast_batch(batch: Optional[TrainBatch], version: int, group, src: int) 
     A receiver skips the keep-alives rank 0 sends while it waits for data (`send_keepalive`)."""
     if batch is not None or dist.get_rank() == src:
         tensors = {} if batch is None else {**batch.tensors, "_instructions": encode_strings(batch.instructions)}
-        _broadcast_meta({"version": version, "stop": batch is None,
-                         "keys": [[k, str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in tensors.items()]},
-                        group, src)
+        _broadcast_meta(
+            {
+                "version": version,
+                "stop": batch is None,
+                "keys": [[k, str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in tensors.items()],
+            },
+            group,
+            src,
+        )
         for value in tensors.values():
             dist.broadcast(value.contiguous(), src, group=group)
         return version, batch
@@ -385,9 +397,8 @@ def build_trainer_policy(cfg: TrainerConfig, ctx: RankContext) -> torch.nn.Modul
     return build_policy(cfg.model, **dims).to(ctx.device)
 
 
-def run(ctx: RankContext, cfg: Optional[TrainerConfig] = None) -> int:
+def run(ctx: RankContext, cfg: TrainerConfig) -> int:
     """Entry point of a trainer rank."""
-    cfg = cfg or TrainerConfig.from_spec(ctx.spec)
     signals.install(drain_on_term=True)
     resume_from = ckpt.latest(ctx.run_dir)
     pull = pub = None
@@ -398,12 +409,18 @@ def run(ctx: RankContext, cfg: Optional[TrainerConfig] = None) -> int:
         pull.bind(ctx.address)
         pub.bind(ctx.address)
         ports = {"segments": pull.port, "ctl": pub.port}
-    meet(ctx, ports=ports, roles=world_roles(ctx.spec))
+    meet(ctx, ports=ports, roles=world_roles(cfg.rollout.weight_sync))
+    assert ctx.world is not None, "the trainers are always in the distributed world (world_roles)"
     trainers = ctx.world.ranks_of("trainer")
     publisher = None
     if ctx.rank == 0:  # the weight-sync group first: see data_parallel_group
-        publisher = make_publisher(cfg.rollout.weight_sync, run_dir=ctx.run_dir, world=ctx.world,
-                                   device=ctx.device, timeout_s=ctx.deadlines.first_s)
+        publisher = make_publisher(
+            cfg.rollout.weight_sync,
+            run_dir=ctx.run_dir,
+            world=ctx.world,
+            device=ctx.device,
+            timeout_s=ctx.deadlines.first_s,
+        )
     # Followers wait in this group while rank 0 waits on deadlines of its own (the offload handshake,
     # runtime.timeout_s): outlast those, so that rank 0's error naming the culprit comes first.
     group = data_parallel_group(trainers, ctx.deadlines.first_s + ctx.deadlines.running_s)
@@ -412,12 +429,14 @@ def run(ctx: RankContext, cfg: Optional[TrainerConfig] = None) -> int:
     start = ckpt.load(resume_from, policy, getattr(learner, "opt", None), ctx.device) if resume_from else None
     signals.ready()
     if ctx.rank == 0:
+        assert pull is not None and pub is not None  # bound above by rank 0
         col = Collector(cfg, ctx, pull, pub)
         if start is not None:
+            assert resume_from is not None  # start was loaded from it
             col.restore(start, ckpt.ledger_rows(resume_from))
         code = lead(cfg, ctx, policy, learner, col, publisher, group, trainers[0], start.version if start else 0)
     else:
-        code = follow(ctx, policy, learner, group, trainers[0], start.version if start else 0)
+        code = follow(cfg, ctx, policy, learner, group, trainers[0], start.version if start else 0)
     ctx.world.close()
     return code
 
@@ -434,8 +453,7 @@ def data_parallel_group(trainers: List[int], timeout_s: float) -> Optional[dist.
     """
     if len(trainers) == 1:
         return None
-    return dist.new_group(ranks=sorted(trainers), timeout=timedelta(seconds=timeout_s),
-                          use_local_synchronization=False)
+    return dist.new_group(ranks=sorted(trainers), timeout=timedelta(seconds=timeout_s), use_local_synchronization=False)
 
 
 def _forget_published_weights(ctx: RankContext) -> None:
@@ -456,14 +474,15 @@ def save_checkpoint(cfg: TrainerConfig, ctx: RankContext, col: Collector, policy
     col.events.add("checkpoint", t=ctx.now(), v=state.version, s=time.monotonic() - t0)
 
 
-def lead(cfg: TrainerConfig, ctx: RankContext, policy, learner, col: Collector, publisher, group, src: int,
-         version: int = 0) -> int:
+def lead(
+    cfg: TrainerConfig, ctx: RankContext, policy, learner, col: Collector, publisher, group, src: int, version: int = 0
+) -> int:
     """Trainer rank 0: collect, update, publish, until `rollout.total_env_steps` or a drain signal."""
     set_context(version=version)
     col.mark_boundary(version)
     drained = None
-    tracker = open_tracker(ctx.spec, ctx.run_dir)  # MLflow, from its own thread (vlaslurm.tracking)
-    offloader = trainer_offloader(ctx, policy, learner, col.events)
+    tracker = open_tracker(cfg.tracking, ctx.run_dir)  # MLflow, from its own thread (vlaslurm.tracking)
+    offloader = trainer_offloader(ctx, cfg.layout, policy, learner, col.events)
     leave_device(ctx, col, offloader, version, ctx.deadlines.first_s)  # the other ranks are still starting
     publisher.publish(version, policy.state_dict())
     idle = Idle(ctx, col, group, src)
@@ -503,8 +522,13 @@ def lead(cfg: TrainerConfig, ctx: RankContext, policy, learner, col: Collector, 
     if drained:
         return signals.REQUEUE_EXIT
     _save_final(policy, ctx, version + 1)
-    log.info("finished: %d env steps, %d versions, %d segments dropped, %d discarded", col.received_steps,
-             version + 1, col.dropped, col.discarded)
+    log.info(
+        "finished: %d env steps, %d versions, %d segments dropped, %d discarded",
+        col.received_steps,
+        version + 1,
+        col.dropped,
+        col.discarded,
+    )
     return 0
 
 
@@ -519,17 +543,28 @@ class Idle:
     def wait(self, version: int) -> None:
         col = self.col
         col.heartbeat.beat(version, f"env_steps={col.received_steps} waiting for data")
-        check_starved(time.monotonic() - col.last_arrival, self.ctx.deadlines.running_s,
-                      generator_states(self.ctx.run_dir))
+        check_starved(
+            time.monotonic() - col.last_arrival, self.ctx.deadlines.running_s, generator_states(self.ctx.run_dir)
+        )
         if self.group is not None and time.monotonic() - self.last_keepalive > self.keepalive_s:
             send_keepalive(version, self.group, self.src)
             self.last_keepalive = time.monotonic()
 
 
-def run_update(cfg: TrainerConfig, ctx: RankContext, policy, learner, col: Collector, offloader: Offloader, group,
-               src: int, used: List[msgs.Segment], version: int) -> None:
+def run_update(
+    cfg: TrainerConfig,
+    ctx: RankContext,
+    policy,
+    learner,
+    col: Collector,
+    offloader: Offloader,
+    group,
+    src: int,
+    used: List[msgs.Segment],
+    version: int,
+) -> None:
     """One update of version `version` on the batch `used`, joined by the follower ranks; then its report."""
-    if col.lockstep:
+    if col.schedule.lockstep:
         col.taken = version
         col.announce(version, force=True)  # the phase is over: collocated generators leave the GPU
     enter_device(ctx, col, offloader, version)
@@ -554,21 +589,23 @@ def publish_version(ctx: RankContext, col: Collector, offloader: Offloader, publ
     publisher.publish(version, policy.state_dict())  # the WeightPublisher protocol: no per-call timeout
 
 
-def save_drained(cfg: TrainerConfig, ctx: RankContext, col: Collector, policy, learner, why: str,
-                 version: int) -> None:
+def save_drained(cfg: TrainerConfig, ctx: RankContext, col: Collector, policy, learner, why: str, version: int) -> None:
     """A drain signal came: make sure a checkpoint of `version` exists before every rank stops."""
     newest = ckpt.latest(ctx.run_dir)
     if newest is None or newest.name != f"v{version:08d}":  # not saved at this boundary yet
         save_checkpoint(cfg, ctx, col, policy, learner)
-    log.warning("%s: checkpoint v%d saved; stopping every rank (a requeue or `vlaslurm resume` continues "
-                "from it)", why, version)
+    log.warning(
+        "%s: checkpoint v%d saved; stopping every rank (a requeue or `vlaslurm resume` continues from it)", why, version
+    )
 
 
-def follow(ctx: RankContext, policy, learner, group, src: int, version: int = 0) -> int:
+def follow(cfg: TrainerConfig, ctx: RankContext, policy, learner, group, src: int, version: int = 0) -> int:
     """Other trainer ranks: take each batch from rank 0 and join the update."""
     events = EventLog(ctx.run_dir, "trainer", ctx.rank)
     # Rank 0 publishes the weights, which bring the generators back, only once every trainer rank said it is off.
-    offloader = trainer_offloader(ctx, policy, learner, events, OffloadReporter.of(ctx, "trainer"))
+    offloader = trainer_offloader(
+        ctx, cfg.layout, policy, learner, events, OffloadReporter.of(ctx, "trainer", cfg.layout)
+    )
     try:
         while True:
             offloader.offload(version)  # a rollout phase: the GPU is the generator's
@@ -587,12 +624,21 @@ def follow(ctx: RankContext, policy, learner, group, src: int, version: int = 0)
         offloader.close()
 
 
-def trainer_offloader(ctx: RankContext, policy, learner, events: EventLog,
-                      report: Optional[OffloadReporter] = None) -> Offloader:
+def trainer_offloader(
+    ctx: RankContext, layout: str, policy, learner, events: EventLog, report: Optional[OffloadReporter] = None
+) -> Offloader:
     """A trainer rank's model and optimizer state, in host memory during rollouts in the collocated layout."""
     # Gradients are dropped, not moved: every optimizer step starts from zero_grad(set_to_none=True).
-    return Offloader(offloads(ctx.spec.resources.layout), ctx.device, events, ctx.now, module=policy,
-                     optimizer=getattr(learner, "opt", None), drop_grads=True, report=report)
+    return Offloader(
+        offloads(layout),
+        ctx.device,
+        events,
+        ctx.now,
+        module=policy,
+        optimizer=getattr(learner, "opt", None),
+        drop_grads=True,
+        report=report,
+    )
 
 
 def leave_device(ctx: RankContext, col: Collector, offloader: Offloader, version: int, timeout_s: float) -> None:
@@ -600,25 +646,38 @@ def leave_device(ctx: RankContext, col: Collector, offloader: Offloader, version
     other trainer rank said it did too, before the weights that bring the generators back go out."""
     offloader.offload(version)
     if offloader.enabled:
-        col.offloads.wait(version, "trainer", range(1, ctx.info.ranks["trainer"]), timeout_s,
-                          lambda: col.receive(20), "trainer rank 0's publication of the weights")
+        col.offloads.wait(
+            version,
+            "trainer",
+            range(1, ctx.info.ranks["trainer"]),
+            timeout_s,
+            lambda: col.receive(20),
+            "trainer rank 0's publication of the weights",
+        )
 
 
 def enter_device(ctx: RankContext, col: Collector, offloader: Offloader, version: int) -> None:
     """Trainer rank 0, collocated: move onto the GPU for the update of `version` once every generator said
     that its model left it (announcing meanwhile: a generator that missed the phase's end learns it)."""
+
     def pump() -> None:
         col.announce(version)
         col.receive(20)
 
     if offloader.enabled:
-        col.offloads.wait(version, "generator", range(ctx.info.ranks["generator"]), ctx.deadlines.running_s,
-                          pump, "the trainers' move onto the GPU")
+        col.offloads.wait(
+            version,
+            "generator",
+            range(ctx.info.ranks["generator"]),
+            ctx.deadlines.running_s,
+            pump,
+            "the trainers' move onto the GPU",
+        )
     offloader.onload(version)
 
 
 def _save_final(policy, ctx: RankContext, versions: int) -> None:
     if hasattr(policy, "save_pretrained"):
-        policy.save_pretrained(str(ctx.run_dir / "final_model"))
+        policy.save_pretrained(str(RunDir(ctx.run_dir).final_model))
     summary = {"versions": versions, "checksum": ckpt.param_checksum(policy)}
-    (ctx.run_dir / "final.json").write_text(json.dumps(summary))
+    RunDir(ctx.run_dir).final.write_text(json.dumps(summary))

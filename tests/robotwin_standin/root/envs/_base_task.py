@@ -1,4 +1,5 @@
 """Stand-in for RoboTwin's Base_Task: same method signatures, toy state (see README.md)."""
+
 import os
 from typing import Literal
 
@@ -13,14 +14,15 @@ CALLS = []  # (method, kwargs) of every call, for tests that check the adapter's
 
 
 class Base_Task(gym.Env):
-
     def __init__(self):
         pass
 
-    def _init_task_env_(self, table_xy_bias=[0, 0], table_height_bias=0, **kwags):
+    # The mutable default is RoboTwin's own signature, which SIGNATURES.txt pins; it is never mutated here.
+    def _init_task_env_(self, table_xy_bias=[0, 0], table_height_bias=0, **kwags):  # noqa: B006
         seed = kwags.get("seed", 0)
-        CALLS.append(("setup_demo", {k: kwags[k] for k in ("seed", "now_ep_num", "is_test", "eval_mode")
-                                     if k in kwags}))
+        CALLS.append(
+            ("setup_demo", {k: kwags[k] for k in ("seed", "now_ep_num", "is_test", "eval_mode") if k in kwags})
+        )
         if seed % 7 == 3:  # some seeds are unstable, as in RoboTwin
             raise UnStableError(f"Objects is unstable in seed({seed})")
         self.seed = seed
@@ -31,8 +33,9 @@ class Base_Task(gym.Env):
         left = kwags["left_embodiment_config"]["arm_joints_name"][0]
         right = kwags["right_embodiment_config"]["arm_joints_name"][1]
         self.dims = (len(left), len(right))
-        self.joints = np.concatenate([self.rng.uniform(-0.1, 0.1, len(left)), [1.0],
-                                      self.rng.uniform(-0.1, 0.1, len(right)), [1.0]])
+        self.joints = np.concatenate(
+            [self.rng.uniform(-0.1, 0.1, len(left)), [1.0], self.rng.uniform(-0.1, 0.1, len(right)), [1.0]]
+        )
         self.plan_success = True
         self.eval_success = False
         self.take_action_cnt = 0
@@ -69,7 +72,7 @@ class Base_Task(gym.Env):
         CALLS.append(("close_env", {"clear_cache": clear_cache}))
         self.closed = True
 
-    def take_action(self, action, action_type: Literal['qpos', 'ee']='qpos'):
+    def take_action(self, action, action_type: Literal["qpos", "ee"] = "qpos"):
         if self.take_action_cnt == self.step_lim or self.eval_success:
             return
         self.take_action_cnt += 1

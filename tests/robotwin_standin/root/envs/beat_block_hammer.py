@@ -2,7 +2,6 @@ from ._base_task import Base_Task
 
 
 class beat_block_hammer(Base_Task):
-
     def setup_demo(self, **kwags):
         super()._init_task_env_(**kwags)
 

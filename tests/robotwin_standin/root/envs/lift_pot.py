@@ -2,7 +2,6 @@ from ._base_task import Base_Task
 
 
 class lift_pot(Base_Task):
-
     def setup_demo(self, is_test=False, **kwags):
         super()._init_task_env_(**kwags)
 

@@ -1,4 +1,5 @@
 """Stand-in for RoboTwin's instruction generator: fills {X} placeholders from episode parameters."""
+
 import json
 import os
 from typing import Dict, List

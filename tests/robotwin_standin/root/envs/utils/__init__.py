@@ -1,1 +1,3 @@
-from .create_actor import *
+from .create_actor import UnStableError
+
+__all__ = ["UnStableError"]

@@ -1,0 +1,7 @@
+"""`python -m vlaslurm.cli ...` is `vlaslurm ...`."""
+
+import sys
+
+from vlaslurm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,266 @@
+"""One schedule per rollout mode: the scheduling decisions that the roles and the placement model share.
+
+`Sync` and `Pipelined` run lock-step phases of one policy version (pipelined: `depth` sub-groups per
+simulator rank); `Async` lets every environment run on its own, within `max_staleness`. The generator's
+batching, the hold budget, the trainer's take and staleness, GRPO's whole groups: decided here, pure and
+deterministic, and called alike by `runtime/roles` and `placement/simulate.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar, Dict, Generic, Iterable, List, Protocol, Sequence, Tuple, Type, TypeVar
+
+from vlaslurm.spec.schema import ExperimentSpec, RolloutConfig
+
+TIME_EPS = 1e-12  # a batch's max_wait is over at its due time, whatever the float rounding of now - arrival
+
+
+class SegmentFacts(Protocol):
+    """What the schedule reads of a segment (`messages.Segment`, or the simulation's stand-in)."""
+
+    env_id: int
+    episode: int
+    index: int  # segment number within its episode
+    version: int  # behaviour version
+
+    @property
+    def steps(self) -> int: ...
+
+    @property
+    def episode_done(self) -> bool: ...
+
+
+S = TypeVar("S", bound=SegmentFacts)
+
+
+@dataclass
+class Take(Generic[S]):
+    """The trainer's next batch: what leaves the buffer (in order), of which `used`; `rest` stays buffered."""
+
+    consumed: List[S] = field(default_factory=list)
+    used: List[S] = field(default_factory=list)
+    rest: List[S] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What every mode shares; build one with `Schedule.of` (or `from_spec`)."""
+
+    steps_per_update: int = 0
+    max_staleness: int = 0
+    stale_policy: str = "drop"
+    group_size: int = 1  # GRPO: episodes of one group (environments env_id // group_size); 1 = no groups
+    max_batch: int = 64
+    max_wait_s: float = 0.02
+
+    mode: ClassVar[str] = ""
+    lockstep: ClassVar[bool] = True  # phases of one version: fixed routing, the trainer waits for phase ends
+
+    @staticmethod
+    def kind(mode: str) -> Type[Schedule]:
+        """The schedule class of `rollout.mode`."""
+        return _KINDS[mode]
+
+    @staticmethod
+    def of(rollout: RolloutConfig, steps_per_update: int = 0, group_size: int = 1) -> Schedule:
+        """From a `RolloutConfig` and the algorithm's batch size (`algo.steps_per_update`) and group size."""
+        b = rollout.batching
+        facts = (
+            steps_per_update,
+            rollout.max_staleness,
+            rollout.stale_policy,
+            group_size,
+            b.max_batch,
+            b.max_wait_ms / 1000.0,
+        )
+        kind = Schedule.kind(rollout.mode)
+        return Pipelined(*facts, depth=rollout.depth) if kind is Pipelined else kind(*facts)
+
+    @staticmethod
+    def from_spec(spec: ExperimentSpec) -> Schedule:
+        return Schedule.of(spec.rollout, spec.algo.steps_per_update, spec.algo.episodes_per_group)
+
+    # ---------------------------------------------------------------- simulator
+    @property
+    def depth(self) -> int:
+        """Sub-groups per simulator rank."""
+        return 1
+
+    @property
+    def resets_each_phase(self) -> bool:
+        """Every phase starts every instance from reset (lock-step with one sub-group)."""
+        return self.lockstep and self.depth == 1
+
+    @property
+    def whole_groups(self) -> bool:
+        """GRPO in async mode: a group's episodes start together and train together, whole."""
+        return not self.lockstep and self.group_size > 1
+
+    def sub_groups(self, instances: int) -> List[List[int]]:
+        """The local instances of each sub-group that requests as one (async: each instance alone)."""
+        if not self.lockstep:
+            return [[i] for i in range(instances)]
+        q, r = divmod(instances, self.depth)  # as np.array_split: the first r sub-groups one larger
+        sizes = [q + 1 if g < r else q for g in range(self.depth)]
+        starts = [sum(sizes[:g]) for g in range(self.depth)]
+        return [list(range(s, s + n)) for s, n in zip(starts, sizes) if n]
+
+    def step_threads(self, instances: int, thread_safe: bool) -> int:
+        """Worker threads that step a rank's chunks: one per sub-group (or instance); 0 = on the main thread."""
+        return len(self.sub_groups(instances)) if thread_safe else 0
+
+    def phase_chunks(self, num_envs: int, chunk: int, episode_limit: int = 0) -> int:
+        """Decisions (action chunks) each sub-group takes in one lock-step phase: enough for the update's env
+        steps; a phase that starts from reset also enough for an episode of `episode_limit` env steps to end."""
+        chunks = math.ceil(self.steps_per_update / (num_envs * chunk))
+        if self.resets_each_phase:
+            chunks = max(chunks, math.ceil(episode_limit / chunk))
+        return chunks
+
+    def route(self, sim_rank: int, outstanding: Sequence[int]) -> int:
+        """The generator a simulator's next request goes to: fixed by rank (lock-step), else the least busy."""
+        if self.lockstep:
+            return sim_rank % len(outstanding)
+        return min(range(len(outstanding)), key=outstanding.__getitem__)
+
+    def released(self, waiting: Iterable[int]) -> List[int]:
+        """Of the finished instances `waiting` for their group (`whole_groups`), those that start now: members
+        of groups that have all finished. Without whole groups every finished instance starts at once."""
+        waiting = set(waiting)
+        if not self.whole_groups:
+            return sorted(waiting)
+        g = self.group_size
+        return [i for i in sorted(waiting) if all(m in waiting for m in range(i - i % g, i - i % g + g))]
+
+    # ---------------------------------------------------------------- generator
+    def clients(self, gen_rank: int, simulators: int, generators: int) -> int:
+        """Simulators whose requests all come to generator `gen_rank` (lock-step routing); 0 = any may (async)."""
+        return len(range(gen_rank, simulators, generators)) if self.lockstep else 0
+
+    @staticmethod
+    def servable(min_version: int, version: int) -> bool:
+        """A request asking for a newer version than the generator has waits for it (lock-step phases)."""
+        return min_version <= version
+
+    def batch_ready(self, sizes: Sequence[int], senders: int, clients: int, waited_s: float) -> bool:
+        """Whether to serve now the servable requests, oldest first, of `sizes` items from `senders` distinct
+        simulators, the oldest of which has waited `waited_s`: `max_batch` items wait, the wait is over, or
+        every simulator routed here (`clients`) has asked (nothing more can come)."""
+        if not sizes:
+            return False
+        everyone = clients > 0 and senders >= clients
+        return everyone or sum(sizes) >= self.max_batch or waited_s >= self.max_wait_s - TIME_EPS
+
+    def batch_size(self, sizes: Sequence[int]) -> int:
+        """How many of the servable requests (oldest first) one forward serves: up to `max_batch` items; a
+        larger single request alone."""
+        count, items = 0, 0
+        for n in sizes:
+            if count and items + n > self.max_batch:
+                break
+            count, items = count + 1, items + n
+        return count
+
+    def holds(self, served: int, consumed: int, waiting: int, generators: int) -> bool:
+        """Async `hold`: a generator stops serving once its share of the slots (env steps in whole chunks)
+        served exceeds what the trainer consumed (plus the slots it holds but cannot use yet, `waiting`) by
+        `max_staleness + 1` updates."""
+        if self.lockstep or self.stale_policy != "hold":
+            return False
+        return served >= (consumed + waiting + (self.max_staleness + 1) * self.steps_per_update) / generators
+
+    # ---------------------------------------------------------------- trainer
+    def stale(self, version: int, behaviour: int) -> bool:
+        """A segment acted by `behaviour` is past the staleness bound for an update of `version`."""
+        return version - behaviour > self.max_staleness
+
+    def update_ready(
+        self, buffer: Sequence[SegmentFacts], buffered_steps: int, phase_ends: int, simulators: int
+    ) -> bool:
+        """Whether the trainer can take its next batch: every simulator ended the phase (lock-step), else
+        `steps_per_update` env steps are buffered (in whole groups, with `whole_groups`)."""
+        if self.lockstep:
+            return phase_ends >= simulators
+        if buffered_steps < self.steps_per_update:
+            return False
+        if self.whole_groups:
+            whole, _ = complete_groups(buffer, self.group_size)
+            return sum(s.steps for s in whole) >= self.steps_per_update
+        return True
+
+    def take(self, buffer: Sequence[S], version: int) -> Take[S]:
+        """The next batch, oldest first: lock-step the whole phase, in one order whatever the arrival order
+        (the update is reproducible); whole groups every complete group, none split; else up to
+        `steps_per_update` used env steps. Segments past the staleness bound are consumed, not used."""
+        rest: List[S] = []
+        if self.lockstep:
+            queue = sorted(buffer, key=lambda s: (s.env_id, s.episode, s.index))
+        elif self.whole_groups:
+            queue, rest = complete_groups(buffer, self.group_size)
+        else:
+            queue = list(buffer)
+        out: Take[S] = Take()
+        steps, i = 0, 0
+        while i < len(queue) and (self.lockstep or self.whole_groups or steps < self.steps_per_update):
+            seg = queue[i]
+            i += 1
+            out.consumed.append(seg)
+            if not self.stale(version, seg.version):
+                out.used.append(seg)
+                steps += seg.steps
+        out.rest = queue[i:] + rest
+        return out
+
+
+@dataclass(frozen=True)
+class Sync(Schedule):
+    """Lock-step phases of one version, each simulator rank's instances as one request."""
+
+    mode: ClassVar[str] = "sync"
+
+
+@dataclass(frozen=True)
+class Pipelined(Schedule):
+    """Lock-step phases with `depth` sub-groups per simulator rank: one steps while another is served."""
+
+    depth: int = 2  # a field here, the base's property (1) elsewhere
+
+    mode: ClassVar[str] = "pipelined"
+
+
+@dataclass(frozen=True)
+class Async(Schedule):
+    """Every environment requests and steps on its own; the trainer takes every `steps_per_update` steps."""
+
+    mode: ClassVar[str] = "async"
+    lockstep: ClassVar[bool] = False
+
+
+_KINDS: Dict[str, Type[Schedule]] = {cls.mode: cls for cls in (Sync, Pipelined, Async)}
+
+
+def complete_groups(segments: Sequence[S], group_size: int) -> Tuple[List[S], List[S]]:
+    """Split segments into those whose whole group has ended and the rest, each in the given order.
+
+    A group is `group_size` episodes, one per environment `env_id // group_size`, with the same episode
+    number; it is complete when each of its episodes has all of its segments (numbered 0..k, the last one
+    ending the episode).
+    """
+    parts: Dict[tuple, List[int]] = {}  # (env_id, episode) -> [segments seen, index of the ending segment]
+    for seg in segments:
+        seen = parts.setdefault((seg.env_id, seg.episode), [0, -1])
+        seen[0] += 1
+        if seg.episode_done:
+            seen[1] = seg.index
+    ended: Dict[tuple, int] = {}
+    for (env_id, episode), (count, last) in parts.items():
+        if last >= 0 and count == last + 1:
+            key = (env_id // group_size, episode)
+            ended[key] = ended.get(key, 0) + 1
+    whole: List[S] = []
+    rest: List[S] = []
+    for seg in segments:
+        (whole if ended.get((seg.env_id // group_size, seg.episode), 0) == group_size else rest).append(seg)
+    return whole, rest
