@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import Iterator, List, Tuple
 
@@ -91,3 +92,19 @@ def test_the_checks_find_what_they_look_for():
     )
     assert imported_private_names("vlaslurm.runtime.x", bad) == [(1, "vlaslurm.cli._load")]
     assert spelled_names(bad) == [(2, "metrics.jsonl"), (3, "/ 'logs'"), (4, "= 'logs'")]
+
+
+def test_no_source_text_outside_rundir_names_a_run_directory_file():
+    """What `git grep` would find: docstrings and messages too (a checkpoint's inner files such as
+    model.safetensors are left out: release folders have files of those names)."""
+    inner = {getattr(layout, k) for k in vars(layout) if k.startswith(("CKPT_", "TRACKER_"))} - {layout.LEDGER}
+    names = sorted(run_dir_names()[0] - inner)
+    pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, names)) + r")(?!\w)")
+    offenders = [
+        f"{path.relative_to(PACKAGE.parent)}:{text[: m.start()].count(chr(10)) + 1}: {m.group(1)}"
+        for name, path, _ in modules()
+        if not name.startswith("vlaslurm.rundir")
+        for text in [path.read_text()]
+        for m in pattern.finditer(text)
+    ]
+    assert not offenders, "run-directory file names outside vlaslurm/rundir/:\n" + "\n".join(offenders)

@@ -3,7 +3,7 @@
 What goes, per run: `weights/` (filesystem weight sync), `events/` (timing records),
 `rendezvous/` (addresses of a finished meeting), unfinished checkpoint folders
 (`checkpoints/.tmp-*`), and with `--keep-checkpoints N` every checkpoint but the newest
-N; with `--logs` also `logs/`. What stays: run.json, spec.yaml, job.sbatch, the ledger,
+N; with `--logs` also `logs/`. What stays: the run info, the resolved spec, the script, the ledger,
 metrics, exit record and (unless told) logs, so `status`, `compare` and the notebooks
 still work. A run is touched only when it has finished (COMPLETED, FAILED, CANCELLED,
 or UNKNOWN with nothing written for an hour): never a running, pending or requeued one.

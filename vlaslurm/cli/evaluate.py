@@ -58,7 +58,8 @@ def wait_for_job(run_dir: Path, poll_s: float = 2.0) -> str:
 
 
 def _eval_dir(args: argparse.Namespace) -> Path:
-    """The directory of the eval run named by SPEC: a directory holding eval.json, or a run's name or job id."""
+    """The directory of the eval run named by SPEC: a directory holding its result (`RunDir.eval`), or a run's
+    name or job id."""
     if RunDir(args.spec).eval.exists():
         return Path(args.spec)
     try:

@@ -75,7 +75,7 @@ def describe_run(info: RunInfo, now: Optional[float] = None) -> str:
 
 
 def eval_lines(run_dir: Path) -> List[str]:
-    """An eval run's result, once its eval.json is written: success overall and per task."""
+    """An eval run's result, once its result file is written: success overall and per task."""
     try:
         summary = json.loads(RunDir(run_dir).eval.read_text())
     except (OSError, json.JSONDecodeError):

@@ -123,7 +123,7 @@ class Outcomes:
 
 def check_every_task_played(spec, episodes: int) -> None:
     """Instances take the tasks in turn and episodes the instances: with fewer episodes than tasks some tasks
-    would not be played at all, and eval.json would say nothing of them."""
+    would not be played at all, and the result would say nothing of them."""
     tasks = list(getattr(spec.env, "tasks", None) or [])
     if episodes < len(tasks):
         raise ValueError(
@@ -176,7 +176,8 @@ def run_episodes(
 def evaluate(
     loaded: LoadedSpec, runs_root: Path, episodes: int, keep_failed: int = 3, deterministic: bool = True
 ) -> Path:
-    """Run `episodes` episodes in this process; write `eval.json` and the failed trajectories (`Outcomes`)."""
+    """Run `episodes` episodes in this process; write the result (`RunDir.eval`) and the failed trajectories
+    (`Outcomes`)."""
     from vlaslurm.spec.plan import job_run_name
 
     cfg = EvalConfig(episodes, keep_failed, deterministic)
@@ -213,7 +214,7 @@ def local_act(policy, cfg: EvalConfig, seed: int) -> Act:
 
 
 def write_summary(directory: Path, spec_path: str, cfg: EvalConfig, parts: List[Dict[str, Dict[str, bool]]]) -> dict:
-    """Merge the outcomes of every simulator rank into `eval.json`: success and episodes per task, and
+    """Merge the outcomes of every simulator rank into the result (`RunDir.eval`): success and episodes per task, and
     each episode's success (`outcomes`, by task and episode number)."""
     merged: Dict[str, Dict[str, bool]] = defaultdict(dict)
     for part in parts:
@@ -282,7 +283,7 @@ def main(argv=None) -> int:
 
 def simulate(ctx: RankContext, cfg: EvalRankConfig) -> int:
     """A simulator rank of an eval job: its environments' episodes, with actions from its generator;
-    rank 0 then merges every rank's outcomes into `eval.json`."""
+    rank 0 then merges every rank's outcomes into the result (`RunDir.eval`)."""
     from vlaslurm.envs import preflight
 
     sims = ctx.info.ranks["simulator"]

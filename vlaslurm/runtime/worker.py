@@ -6,7 +6,7 @@ starts it as local processes (rank = VLASLURM_RANK).
 With `resources.<role>.max_restarts` > 0 the process is a small supervisor (no
 torch) that runs the real worker as its child, forwards USR2 and TERM to it, and
 starts it again when it dies, up to max_restarts times; each restart is a line in
-`<run>/restarts.jsonl` and a header in the rank's log. The child learns which
+the run's restart record (`RunDir.restarts`) and a header in the rank's log. The child learns which
 incarnation it is from VLASLURM_WORKER_RESTART (see `signals.incarnation`).
 """
 

@@ -72,7 +72,7 @@ def submit(
     script = render_script(
         loaded, plan, RenderOptions(run_dir=directory, job_id_suffix=not explicit, entry_args=entry_args)
     )
-    # `vlaslurm resume` renders with the same site (spec.yaml already holds its defaults)
+    # `vlaslurm resume` renders with the same site (the resolved spec already holds its defaults)
     rundir.create_run(
         directory,
         loaded.to_yaml(),

@@ -21,7 +21,7 @@ class Row:
     metrics: Dict[str, float]
     step: int
     timestamp_ms: int
-    line: Optional[int] = None  # its line in metrics.jsonl, when it came from there
+    line: Optional[int] = None  # its line in the metrics file, when it came from there
 
 
 class RowBuffer:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
-from vlaslurm.rundir import comparisons_dir
+from vlaslurm.rundir import comparisons_dir, layout
 
 if TYPE_CHECKING:  # pandas and MLflow load when the command runs, not when the CLI starts
     import pandas as pd
@@ -32,7 +32,9 @@ def summarize(runs: List[RunData], samples: Optional[float] = None) -> Tuple[pd.
 
     missing = [r.label for r in runs if not len(r.metrics)]
     if missing:
-        raise ValueError(f"no metrics yet for {', '.join(missing)} (metrics.jsonl is empty or MLflow has no history)")
+        raise ValueError(
+            f"no metrics yet for {', '.join(missing)} ({layout.METRICS} is empty or MLflow has no history)"
+        )
     samples = float(samples or min(r.metrics["env_steps"].iloc[-1] for r in runs))
     rows = []
     for run in runs:

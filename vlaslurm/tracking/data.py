@@ -2,8 +2,8 @@
 
 `load_run` accepts what users type: a run directory, a run name or job id
 (through the runs index), or an MLflow run id. A run directory is read directly
-(`metrics.jsonl`, `ledger.parquet`); an MLflow run without a reachable run
-directory is read through MLflow (metric history, the `ledger.parquet` artifact).
+(metrics and ledger, `rundir.RunDir`); an MLflow run without a reachable run
+directory is read through MLflow (metric history, the ledger artifact).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class RunData:
 
 
 def metrics_from_dir(run_dir: Path) -> pd.DataFrame:
-    """`metrics.jsonl` as a table (torn lines skipped)."""
+    """The trainer's metric lines as a table (torn lines skipped)."""
     rows = read_metrics(run_dir)
     return _sorted(_with_curve_keys(pd.DataFrame(rows)))
 
@@ -159,7 +159,7 @@ def _find_mlflow_run(ref: str, client):
 
 
 def ledger_from_mlflow(client, run_id: str) -> Optional[pd.DataFrame]:
-    """The `ledger.parquet` artifact of an MLflow run (None if it has none)."""
+    """The ledger artifact of an MLflow run (None if it has none)."""
     from mlflow.exceptions import MlflowException
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,7 +1,7 @@
 """Follow what a run already writes, off the training path.
 
-The trainer appends one row per update to `metrics.jsonl` and every rank
-rewrites `counters/<role>-<rank>.json` every few seconds. The follower turns
+The trainer appends one row per update to its metrics file and every rank
+rewrites its counters file every few seconds. The follower turns
 new metrics lines and changed counter files into rows for the tracker, and
 names the new failure GIFs under `failures/<task>/` (each once) for upload, so
 tracking needs no hook in any training loop.
@@ -32,11 +32,11 @@ def numeric(values: Mapping[str, object], prefix: str = "") -> Dict[str, float]:
 
 
 class RunFollower:
-    """Reads new `metrics.jsonl` lines and changed counter files of one run directory."""
+    """Reads new metric lines and changed counter files of one run directory."""
 
     def __init__(self, run_dir: Path, start_line: int = 0) -> None:
         self.run_dir = Path(run_dir)
-        self.line = 0  # lines of metrics.jsonl read so far
+        self.line = 0  # lines of the metrics file read so far
         # Lines an earlier tracker of this run sent. A trainer resumed from a checkpoint cuts the file
         # back to the checkpoint's rows (a prefix of what was sent): those stay skipped, new ones are sent.
         self.skip = min(start_line, _count_lines(RunDir(self.run_dir).metrics))

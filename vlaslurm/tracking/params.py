@@ -23,7 +23,7 @@ def flatten(data: Any, prefix: str = "") -> Dict[str, str]:
 
 
 def spec_params(run_dir: Path) -> Dict[str, str]:
-    """The resolved spec the run used (`spec.yaml`), flattened."""
+    """The resolved spec the run used (`RunDir.spec`), flattened."""
     return flatten(read_resolved_spec(run_dir))
 
 

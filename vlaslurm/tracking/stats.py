@@ -1,6 +1,6 @@
 """Pure functions over a run's metrics table and its ledger, shared by the tracker, `compare` and the notebooks.
 
-Metrics table: one row per update (`metrics.jsonl`, or MLflow's history), with
+Metrics table: one row per update (the run's metrics file, or MLflow's history), with
 `env_steps`, `wall_s`, `charts/SPS`, `rollout/success_rate`, `rollout/episodes`.
 Ledger: one row per segment (`vlaslurm.runtime.ledger.COLUMNS`).
 """

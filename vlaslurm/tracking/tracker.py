@@ -1,6 +1,6 @@
 """The run's MLflow writer: one per run, in trainer rank 0, never on the training path.
 
-A background thread follows what the run already writes (`metrics.jsonl`, `counters/*.json`,
+A background thread follows what the run already writes (metrics, counters,
 see `follow.py`) into a bounded buffer and sends metrics, system counters, params and artifacts
 to MLflow, retrying itself with a capped backoff and dropping (and counting) the oldest rows when
 the buffer is full. `close(timeout_s)` flushes what it can before its deadline.
@@ -40,7 +40,7 @@ REFUSED = {"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_DOES_NOT_EXIST", 
 
 def runs_root_of(run_dir: Path) -> Path:
     """`<runs_root>/<name>/<stamp>` -> `<runs_root>`: the nearest ancestor holding the runs index, else
-    the grandparent (a `--run-dir` outside the runs root has no link to it: run.json does not name it)."""
+    the grandparent (a `--run-dir` outside the runs root has no link to it: the run info does not name it)."""
     run_dir = Path(run_dir).resolve()
     for parent in run_dir.parents[:3]:
         if index_path(parent).exists():
@@ -440,7 +440,7 @@ def open_tracker(tracking, run_dir: Path, **options) -> Tracker | NoTracker:
 def sync_run(run_dir: Path, uri: Optional[str] = None, timeout_s: float = 120.0) -> Dict[str, object]:
     """Send what a run's tracker did not (tracking was off, or the server was away at the end).
 
-    Resumes after the last metrics row the tracker sent (`tracking/state.json`) into the
+    Resumes after the last metrics row the tracker sent (its state file under `RunDir.tracking`) into the
     run's MLflow run (`mlflow_run_id`), or a new one; the final metrics and artifacts again.
     """
     import yaml
