@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
-from vlaslurm.slurm.render import RenderError, RenderOptions, render_script
-from vlaslurm.spec import load_spec
+from vlaslurm.slurm.render import RenderError, RenderOptions, check_header, render_script
+from vlaslurm.spec import SpecError, load_spec
 from vlaslurm.spec.plan import build_plan
 
 TESTS = Path(__file__).resolve().parent
@@ -237,3 +239,38 @@ def test_run_dir_that_sbatch_cannot_take_is_refused(bad: str) -> None:
 def test_sbatch_values_with_shell_characters_are_refused() -> None:
     with pytest.raises(Exception, match=r"slurm\.extra\.qos.*#SBATCH"):
         render(TESTS / "specs" / "probe-3c.yaml", "/runs/x", overrides=["slurm.extra.qos='high; rm -rf /'"])
+
+
+def spec_with(tmp_path: Path, slurm: dict) -> Path:
+    data = yaml.safe_load((TESTS / "specs" / "probe-3c.yaml").read_text())
+    data.setdefault("slurm", {}).update(slurm)
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    "slurm, field",
+    [
+        ({"extra": {"qos\n": "x|cmd"}}, "slurm.extra"),  # `^...$` with re.match let the newline through
+        ({"time": "12:00:00\n"}, "slurm.time"),
+    ],
+)
+def test_a_final_newline_never_passes_a_slurm_field(tmp_path: Path, slurm: dict, field: str) -> None:
+    with pytest.raises(SpecError, match=re.escape(field)):
+        load_spec(spec_with(tmp_path, slurm))
+
+
+def test_an_sbatch_value_with_a_final_newline_is_refused(tmp_path: Path) -> None:
+    loaded = load_spec(spec_with(tmp_path, {"extra": {"qos": "high\n"}}))
+    with pytest.raises(SpecError, match=r"slurm\.extra\.qos.*#SBATCH"):
+        render_script(loaded, build_plan(loaded), RenderOptions(run_dir=tmp_path / "run"))
+
+
+def test_the_header_check_refuses_a_command_among_sbatch_lines() -> None:
+    good = fixed_render(TESTS / "specs" / "probe-3c.yaml")
+    check_header(good)  # every golden passes it too: render_script calls it
+    bad = good.replace("#SBATCH --requeue\n", "#SBATCH --requeue\n#SBATCH --qos=x y\n", 1)
+    with pytest.raises(RenderError, match="line"):
+        check_header(bad)
+    assert "#SBATCH --requeue\n" in good

@@ -83,7 +83,7 @@ def items(info: RunInfo, keep_checkpoints: Optional[int] = None, logs: bool = Fa
     if checkpoints.is_dir():
         found += [Item(p, du(p), "unfinished checkpoint") for p in sorted(checkpoints.glob(".tmp-*"))]
         if keep_checkpoints is not None:
-            numbered = [(int(m.group(1)), p) for p in checkpoints.iterdir() if (m := _CHECKPOINT.match(p.name))]
+            numbered = [(int(m.group(1)), p) for p in checkpoints.iterdir() if (m := _CHECKPOINT.fullmatch(p.name))]
             complete = [p for _, p in sorted(numbered, key=lambda item: item[0])]
             old = complete[: max(0, len(complete) - keep_checkpoints)]
             found += [Item(p, du(p), f"checkpoint beyond the newest {keep_checkpoints}") for p in old]

@@ -56,7 +56,7 @@ CKPT_MODEL = "model.safetensors"
 CKPT_RNG = "rng.safetensors"
 CKPT_OPTIM = "optim.pt"
 CKPT_LEDGER = LEDGER
-CHECKPOINT_NAME = re.compile(r"^v(\d{8,})$")  # checkpoints/v<version, 8+ digits>
+CHECKPOINT_NAME = re.compile(r"v(\d{8,})")  # checkpoints/v<version, 8+ digits>; use fullmatch
 # inside tracking/
 TRACKER_STATE = "state.json"
 TRACKER_FAILED = "failed_trajectories.json"

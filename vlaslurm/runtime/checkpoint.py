@@ -52,12 +52,12 @@ def list_checkpoints(run_dir: Path) -> List[Path]:
     directory = checkpoints_dir(run_dir)
     if not directory.is_dir():
         return []
-    found = [p for p in directory.iterdir() if _NAME.match(p.name) and (p / layout.CKPT_STATE).exists()]
+    found = [p for p in directory.iterdir() if _NAME.fullmatch(p.name) and (p / layout.CKPT_STATE).exists()]
     return sorted(found, key=_version_of)
 
 
 def _version_of(path: Path) -> int:
-    match = _NAME.match(path.name)
+    match = _NAME.fullmatch(path.name)
     assert match is not None  # list_checkpoints keeps only the names that match
     return int(match.group(1))
 

@@ -33,7 +33,7 @@ log = logging.getLogger("vlaslurm.weights")
 WEIGHT_SYNCS = ("nccl", "filesystem")
 LATEST = "latest"
 DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
-_FILE_RE = re.compile(r"^v(\d{8,})\.safetensors$")
+_FILE_RE = re.compile(r"v(\d{8,})\.safetensors")
 _MAGIC = 0x564C4157  # "VLAW"
 _DTYPES = {
     str(d).removeprefix("torch."): d
@@ -143,7 +143,7 @@ class FilesystemPublisher:
         log.info("published weights v%d to %s", version, final)
 
     def _prune(self) -> None:
-        files = sorted(p for p in self.directory.iterdir() if _FILE_RE.match(p.name))
+        files = sorted(p for p in self.directory.iterdir() if _FILE_RE.fullmatch(p.name))
         for old in files[: -self.keep]:
             old.unlink(missing_ok=True)
 

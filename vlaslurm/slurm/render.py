@@ -22,7 +22,8 @@ ENTRY_MODULE = "vlaslurm.runtime.worker"
 # What each rank runs, by the plan's kind: the roles, or (eval) the frozen policy's episodes without a trainer
 ENTRY_MODULES = {"train": ENTRY_MODULE, "eval": "vlaslurm.runtime.evaluate"}
 # #SBATCH values are parsed by sbatch, not a shell: allow only what needs no quoting there.
-_SBATCH_VALUE = re.compile(r"^[A-Za-z0-9._:,@+=\-/%\[\]|&()!*]+$")
+_SBATCH_VALUE = re.compile(r"[A-Za-z0-9._:,@+=\-/%\[\]|&()!*]+")  # fullmatch: `$` would let a final newline in
+_SBATCH_LINE = re.compile(r'#SBATCH (hetjob|--[a-z][a-z0-9-]*(=([^\s"]+|"[^"\\]*"))?)')  # a quoted path may hold spaces
 
 
 class RenderError(ValueError):
@@ -59,9 +60,9 @@ def render_script(loaded: LoadedSpec, plan: HetjobPlan, options: RenderOptions) 
         step.role: step_launch(loaded, step.role, Path(options.run_dir), options.job_id_suffix) for step in plan.steps
     }
     for key, value in _sbatch_values(spec, plan).items():
-        if not _SBATCH_VALUE.match(value):
+        if not _SBATCH_VALUE.fullmatch(value):
             raise loaded.error(key, f"{value!r} cannot be an #SBATCH value (no spaces, quotes or shell characters)")
-    return template.render(
+    script = template.render(
         header=_one_line(
             f"spec: {loaded.path.name}" + (f" with {' '.join(loaded.overrides)}" if loaded.overrides else "")
         ),
@@ -85,6 +86,20 @@ def render_script(loaded: LoadedSpec, plan: HetjobPlan, options: RenderOptions) 
         logs=layout.LOGS,
         exit_record=layout.EXIT_RECORD,
     )
+    check_header(script)
+    return script
+
+
+def check_header(script: str) -> None:
+    """The script's header, up to its first command, is comments and well-formed #SBATCH lines only: no value
+    may end a line early and start a command of its own (the values' own checks come first; this is the net)."""
+    for number, line in enumerate(script.splitlines()[1:], start=2):
+        if not line.strip():
+            continue
+        if not line.startswith("#"):
+            return
+        if line.startswith("#SBATCH") and not _SBATCH_LINE.fullmatch(line.rstrip()):
+            raise RenderError(f"rendered #SBATCH line {number} is malformed: {line!r}")
 
 
 def _sbatch_values(spec, plan: HetjobPlan) -> dict:

@@ -15,9 +15,11 @@ if TYPE_CHECKING:
     from vlaslurm.spec.env_types import SyntheticEnvConfig
     from vlaslurm.spec.loader import LoadedSpec
 
-_SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
-_SLURM_MEM = re.compile(r"^\d+[KMGT]?$", re.IGNORECASE)
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# Patterns are used with fullmatch: `$` also matches before a final newline, which would reach the script.
+_SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}")
+_SLURM_MEM = re.compile(r"\d+[KMGT]?", re.IGNORECASE)
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_SBATCH_OPTION = re.compile(r"[a-z][a-z0-9-]*")
 
 
 def validate(loaded: LoadedSpec) -> None:
@@ -49,7 +51,7 @@ def _get(obj: object, dotted: str):
 
 def _check_name(loaded: LoadedSpec) -> None:
     # The name becomes a directory and a Slurm job name; keep it free of shell and path characters.
-    if not _NAME.match(loaded.spec.name):
+    if not _NAME.fullmatch(loaded.spec.name):
         raise loaded.error("name", "may contain only letters, digits, '.', '_' and '-' (it names folders and jobs)")
 
 
@@ -166,7 +168,7 @@ def _check_resources(loaded: LoadedSpec) -> None:
         _positive(loaded, [f"resources.{role}.{k}" for k in ("nodes", "tasks_per_node", "cpus_per_task")])
         _positive(loaded, [f"resources.{role}.{k}" for k in ("gpus_per_node", "max_restarts")], minimum=0)
         mem = getattr(res, role).mem
-        if mem is not None and not _SLURM_MEM.match(mem):
+        if mem is not None and not _SLURM_MEM.fullmatch(mem):
             raise loaded.error(f"resources.{role}.mem", f"must be Slurm memory like 200G or 64000M, got {mem!r}")
         _check_container(loaded, role)
     if res.trainer.max_restarts:
@@ -261,9 +263,9 @@ def check_model_path(loaded: LoadedSpec) -> None:
 
 def _check_slurm(loaded: LoadedSpec) -> None:
     slurm = loaded.spec.slurm
-    if not _SLURM_TIME.match(slurm.time):
+    if not _SLURM_TIME.fullmatch(slurm.time):
         raise loaded.error("slurm.time", f"must be Slurm time like 12:00:00 or 1-00:00:00, got {slurm.time!r}")
     for key in slurm.extra:
-        if not re.match(r"^[a-z][a-z0-9-]*$", key):
+        if not _SBATCH_OPTION.fullmatch(key):
             raise loaded.error(f"slurm.extra.{key}", "must be a long sbatch option name like qos or mail-type")
     _positive(loaded, ["slurm.signal_seconds"], minimum=0)
