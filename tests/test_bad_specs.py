@@ -1,7 +1,8 @@
 """The bad-input corpus: every malformed spec in tests/bad_specs, through the real command line.
 
 Each file's first line says what the error must name: `# expect: <dotted key> at line <n> (<hint>)
-[commands]` (key `-` where the YAML itself is broken; commands default to `plan`). Each must exit
+[commands] --site <site>` (key `-` where the YAML itself is broken; commands default to `plan`; the site,
+none by default, is passed as `--site`). Each must exit
 with code 2 and one line `error: <file>:<line>: <key>: ...`, no traceback, and leave the runs root
 exactly as it was (nothing submitted, created or overwritten).
 """
@@ -18,7 +19,10 @@ import pytest
 from conftest import REPO, vlaslurm
 
 CORPUS = sorted((REPO / "tests" / "bad_specs").glob("*.yaml"))
-_EXPECT = re.compile(r"^# expect: (?P<key>\S+) at line (?P<line>\d+)(?: \((?P<hint>[^)]*)\))?(?: \[(?P<cmds>[^]]*)\])?")
+_EXPECT = re.compile(
+    r"^# expect: (?P<key>\S+) at line (?P<line>\d+)(?: \((?P<hint>[^)]*)\))?(?: \[(?P<cmds>[^]]*)\])?"
+    r"(?: --site (?P<site>\S+))?"
+)
 
 
 def snapshot(root: Path) -> Dict[str, str]:
@@ -55,7 +59,8 @@ def test_bad_spec_is_one_user_error_and_changes_nothing(spec: Path, runs_root: P
     assert expect, f"{spec.name}: first line must be '# expect: KEY at line N (HINT) [COMMANDS]'"
     before = snapshot(runs_root)
     for command in (expect["cmds"] or "plan").split():
-        proc = vlaslurm(command, str(spec), runs_root=runs_root)
+        site = ["--site", expect["site"]] if expect["site"] else []
+        proc = vlaslurm(command, str(spec), *site, runs_root=runs_root, env={"VLASLURM_SITE": "none"})
         message = check_user_error(proc, spec)
         key = "" if expect["key"] == "-" else f" {expect['key']}:"
         assert f"{spec}:{expect['line']}:{key}" in message, message

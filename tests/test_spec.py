@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -119,9 +120,35 @@ def test_missing_extends_file(tmp_path: Path) -> None:
 
 def test_extends_cycle_is_reported(tmp_path: Path) -> None:
     write(tmp_path, "extends: b.yaml\n", "a.yaml")
-    write(tmp_path, "extends: a.yaml\n", "b.yaml")
-    with pytest.raises(SpecError, match="cycle"):
+    write(tmp_path, "name: b\nextends: a.yaml\n", "b.yaml")
+    with pytest.raises(SpecError, match="cycle") as info:
         load_spec(tmp_path / "a.yaml")
+    assert info.value.key == "extends" and str(info.value.location) == f"{tmp_path / 'b.yaml'}:2"
+
+
+def test_alias_bomb_is_refused_quickly(tmp_path: Path) -> None:
+    lines = ["a: &a [" + ", ".join(["lol"] * 9) + "]"]
+    lines += [f"{k}: &{k} [" + ", ".join([f"*{p}"] * 9) + "]" for p, k in zip("abcdefgh", "bcdefghi")]
+    start = time.monotonic()
+    err = error_of(tmp_path, "\n".join(lines) + "\n" + BASE)
+    assert "expands to more than" in str(err) and time.monotonic() - start < 1.0
+
+
+def test_deep_nesting_is_refused_quickly(tmp_path: Path) -> None:
+    start = time.monotonic()
+    err = error_of(tmp_path, BASE + "slurm: {setup: " + "[\n" * 20000 + "]" * 20000 + "}\n")
+    assert "nested more than" in str(err) and err.location.line == 36 and time.monotonic() - start < 1.0
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path: Path) -> None:
+    text = BASE + "resources:\n  simulator: &res {cpus_per_task: 4}\n  generator:\n    <<: *res\n    cpus_per_task: 2\n"
+    spec = load_spec(write(tmp_path, text)).spec
+    assert (spec.resources.simulator.cpus_per_task, spec.resources.generator.cpus_per_task) == (4, 2)
+
+
+def test_base60_override_is_the_text_typed(tmp_path: Path) -> None:
+    spec = load_spec(write(tmp_path, BASE), ["slurm.time=12:00:00"]).spec
+    assert spec.slurm.time == "12:00:00"
 
 
 def test_bad_override_is_located_on_the_command_line(tmp_path: Path) -> None:

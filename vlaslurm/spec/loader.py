@@ -10,6 +10,7 @@ valid values are written once, in its type.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import typing
 from dataclasses import dataclass
@@ -141,8 +142,10 @@ def _typed(section: str, cls: Any, value: Any, where) -> Any:
     if not dataclasses.is_dataclass(cls):
         return _plain_value(section, cls, value, where)
     if not isinstance(value, dict):
-        raise SpecError(f"must be a mapping, got {type(value).__name__}", key=section, location=where(section))
+        got = _SHAPES.get(type(value), type(value).__name__)
+        raise SpecError(f"must be a mapping, got {got}", key=section, location=where(section))
     _check_choices(cls, value, section, where)
+    _check_shape(cls, value, section, where)
     base = OmegaConf.structured(cls)
     try:
         merged = OmegaConf.merge(base, _escape(value))
@@ -197,6 +200,52 @@ def _check_choice(typ: Any, item: Any, key: str, where) -> None:
             _check_choice(args[1], element, f"{key}.{name}", where)
     elif dataclasses.is_dataclass(typ) and isinstance(item, dict):
         _check_choices(typ, item, key, where)
+
+
+def _check_shape(typ: Any, item: Any, key: str, where) -> None:
+    """Check that `item` has the shape of the annotation `typ` (mapping, list or single value; finite numbers)
+    before OmegaConf merges it: its TypeError on a list where a mapping belongs names no field."""
+    origin, args = typing.get_origin(typ), typing.get_args(typ)
+    if origin is typing.Union:
+        options = [a for a in args if a is not type(None)]
+        if item is not None and len(options) == 1:
+            _check_shape(options[0], item, key, where)
+    elif dataclasses.is_dataclass(typ):
+        _check_fields(typ, _expect(item, dict, key, where), key, where)
+    elif origin in (list, tuple):
+        for index, element in enumerate(_expect(item, list, key, where)):
+            _check_shape(args[0] if args else Any, element, f"{key}[{index}]", where)
+    elif origin is dict:
+        for name, element in _expect(item, dict, key, where).items():
+            _check_shape(args[1] if len(args) == 2 else Any, element, f"{key}.{name}", where)
+    elif typ is not Any and isinstance(item, (list, dict)):
+        raise SpecError("must be a single value, not a list or mapping", key=key, location=where(key))
+    elif typ in (float, int) and isinstance(item, float) and not math.isfinite(item):
+        raise SpecError(f"must be a finite number, got {item}", key=key, location=where(key))
+    elif typ is str and isinstance(item, bool):
+        raise SpecError(
+            f"must be text, got the boolean {str(item).lower()} (YAML reads unquoted yes/no/on/off/true/false "
+            "as booleans); quote it",
+            key=key,
+            location=where(key),
+        )
+
+
+def _check_fields(cls: Any, value: Dict[str, Any], prefix: str, where) -> None:
+    hints = typing.get_type_hints(cls)
+    for name, item in value.items():
+        if name in hints:
+            _check_shape(hints[name], item, f"{prefix}.{name}", where)
+
+
+_SHAPES: Dict[type, str] = {dict: "a mapping", list: "a list", type(None): "null (nothing)"}
+
+
+def _expect(item: Any, shape: type, key: str, where) -> Any:
+    if not isinstance(item, shape):
+        got = _SHAPES.get(type(item), f"the single value {item!r}")
+        raise SpecError(f"must be {_SHAPES[shape]}, got {got}", key=key, location=where(key))
+    return item
 
 
 def _spec_error(section: str, base: Any, exc: OmegaConfBaseException, where) -> SpecError:

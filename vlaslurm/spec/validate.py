@@ -20,6 +20,26 @@ _SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}")
 _SLURM_MEM = re.compile(r"\d+[KMGT]?", re.IGNORECASE)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _SBATCH_OPTION = re.compile(r"[a-z][a-z0-9-]*")
+MAX_NAME = 100  # the name plus a timestamp and suffixes must stay under the file system's 255
+# Sane upper bounds: a larger value is a typo (an extra digit), never a real job.
+_MAXIMA = {
+    **{f"resources.{role}.nodes": 10_000 for role in ROLES},
+    **{f"resources.{role}.tasks_per_node": 1_024 for role in ROLES},
+    **{f"resources.{role}.gpus_per_node": 64 for role in ROLES},
+    **{f"resources.{role}.cpus_per_task": 4_096 for role in ROLES},
+    **{f"resources.{role}.max_restarts": 1_000 for role in ROLES},
+    "env.num_envs": 10_000_000,
+    "env.max_episode_steps": 10_000_000,
+    "rollout.total_env_steps": 10**15,
+    "rollout.pipeline_depth": 1_024,
+    "rollout.batching.max_batch": 1_000_000,
+    "model.action_chunk": 4_096,
+    "model.action_dim": 4_096,
+    "algo.epochs": 10_000,
+    "algo.minibatches": 1_000_000,
+    "checkpoint.keep": 10_000,
+    "tracking.failures_per_task": 10_000,
+}
 
 
 def validate(loaded: LoadedSpec) -> None:
@@ -27,6 +47,7 @@ def validate(loaded: LoadedSpec) -> None:
     for check in (
         _check_name,
         _check_counts,
+        _check_maxima,
         _check_env,
         _check_algo,
         _check_resources,
@@ -49,8 +70,20 @@ def _get(obj: object, dotted: str):
     return obj
 
 
+def _check_maxima(loaded: LoadedSpec) -> None:
+    for key, maximum in _MAXIMA.items():
+        value = _get(loaded.spec, key)
+        if value > maximum:
+            raise loaded.error(key, f"must be at most {maximum}, got {value}")
+    for role, count in loaded.spec.runtime.local_ranks.items():
+        if count > 1_024:
+            raise loaded.error(f"runtime.local_ranks.{role}", f"must be at most 1024 local ranks, got {count}")
+
+
 def _check_name(loaded: LoadedSpec) -> None:
     # The name becomes a directory and a Slurm job name; keep it free of shell and path characters.
+    if len(loaded.spec.name) > MAX_NAME:
+        raise loaded.error("name", f"must be at most {MAX_NAME} characters, got {len(loaded.spec.name)}")
     if not _NAME.fullmatch(loaded.spec.name):
         raise loaded.error("name", "may contain only letters, digits, '.', '_' and '-' (it names folders and jobs)")
 
@@ -269,3 +302,21 @@ def _check_slurm(loaded: LoadedSpec) -> None:
         if not _SBATCH_OPTION.fullmatch(key):
             raise loaded.error(f"slurm.extra.{key}", "must be a long sbatch option name like qos or mail-type")
     _positive(loaded, ["slurm.signal_seconds"], minimum=0)
+    limit = slurm_seconds(slurm.time)
+    if limit and slurm.signal_seconds >= limit:
+        raise loaded.error(
+            "slurm.signal_seconds",
+            f"must be shorter than slurm.time ({slurm.time} = {limit} s), got {slurm.signal_seconds}: "
+            "the job would checkpoint and requeue as soon as it starts, forever",
+        )
+
+
+def slurm_seconds(time: str) -> int:
+    """Seconds of a Slurm time limit: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S."""
+    days, _, rest = time.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if days:
+        hms = (parts + [0, 0])[:3]
+        return int(days) * 86_400 + hms[0] * 3_600 + hms[1] * 60 + hms[2]
+    scale = {1: (60,), 2: (60, 1), 3: (3_600, 60, 1)}[len(parts)]
+    return sum(p * f for p, f in zip(parts, scale))
