@@ -72,3 +72,13 @@ def test_status_shows_an_eval_runs_result(tmp_path: Path) -> None:
     write_summary(Path(info.run_dir), "spec.yaml", EvalConfig(episodes=4), parts)
     line = next(x for x in describe_run(info).splitlines() if x.startswith("eval "))
     assert "success 0.75 over 4 episodes" in line and "pick 0.67" in line and "push 1.00" in line, line
+
+
+def test_status_says_when_a_resume_skipped_a_checkpoint(tmp_path: Path) -> None:
+    info = fake_run(tmp_path, {})
+    assert "fallback" not in describe_run(info)
+    rundir.append_checkpoint_fallback(
+        Path(info.run_dir), "v00000002", {"v00000004": "model.safetensors: 4 bytes, the manifest says 1234"}
+    )
+    text = describe_run(info)
+    assert "fallback resumed from v00000002 (v00000004 skipped: model.safetensors: 4 bytes" in text, text

@@ -1,6 +1,6 @@
 """The `vlaslurm` command line: plan, submit and watch jobs, run locally, resume, compare, profile, clean.
 
-User errors (bad specs, unknown runs, an unreachable Slurm) print one clear
+User errors (bad specs, unknown runs, a damaged run directory, an unreachable Slurm) print one clear
 message and exit with code 2; they never show a traceback.
 """
 
@@ -11,6 +11,7 @@ from typing import List, Optional
 
 from vlaslurm.cli import clean, compare, doctor, evaluate, launch, placement, runs
 from vlaslurm.cli.common import USER_ERROR, UserError, err_console
+from vlaslurm.rundir import DamagedRunDir
 from vlaslurm.spec import SpecError
 
 COMMAND_GROUPS = (launch, evaluate, runs, clean, compare, placement, doctor)
@@ -32,7 +33,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     try:
         return args.func(args)
-    except (SpecError, UserError, SlurmUnavailable, RenderError, FileExistsError) as exc:
+    except (SpecError, UserError, DamagedRunDir, SlurmUnavailable, RenderError, FileExistsError) as exc:
         err_console.print("[red]error:[/red] ", end="")
         err_console.print(str(exc), markup=False)
         return USER_ERROR

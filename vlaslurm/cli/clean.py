@@ -7,6 +7,10 @@ N; with `--logs` also `logs/`. What stays: the run info, the resolved spec, the 
 metrics, exit record and (unless told) logs, so `status`, `compare` and the notebooks
 still work. A run is touched only when it has finished (COMPLETED, FAILED, CANCELLED,
 or UNKNOWN with nothing written for an hour): never a running, pending or requeued one.
+
+Where: only the directory named on the command line, or run directories the index names that lie under the
+runs root; never a directory a file inside a run names, and never through a symbolic link inside a run.
+A run directory that cannot be read is named and, with `--older-than`, skipped.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pathlib import Path
 from typing import Iterable, List, Optional
 
 from vlaslurm.cli.common import UserError, add_command, console, resolve_all, runs_root
-from vlaslurm.rundir import RunDir, RunInfo, exit_records, layout, list_runs
+from vlaslurm.rundir import RunDir, RunInfo, exit_records, layout, scan_runs
 from vlaslurm.slurm.state import run_state
 
 FREED_DIRS = layout.FREED_BY_CLEAN
@@ -78,19 +82,59 @@ def ended_at(info: RunInfo) -> float:
 def items(info: RunInfo, keep_checkpoints: Optional[int] = None, logs: bool = False) -> List[Item]:
     """What `clean` would delete in one run directory."""
     run_dir = Path(info.run_dir)
-    found = [Item(run_dir / name, du(run_dir / name), name + "/") for name in FREED_DIRS if (run_dir / name).is_dir()]
+    found = [Item(run_dir / name, du(run_dir / name), name + "/") for name in FREED_DIRS if _real_dir(run_dir / name)]
     checkpoints = RunDir(run_dir).checkpoints
-    if checkpoints.is_dir():
-        found += [Item(p, du(p), "unfinished checkpoint") for p in sorted(checkpoints.glob(".tmp-*"))]
+    if _real_dir(checkpoints):
+        found += [Item(p, du(p), "unfinished checkpoint") for p in sorted(checkpoints.glob(".tmp-*")) if _real_dir(p)]
         if keep_checkpoints is not None:
-            numbered = [(int(m.group(1)), p) for p in checkpoints.iterdir() if (m := _CHECKPOINT.fullmatch(p.name))]
+            numbered = [
+                (int(m.group(1)), p)
+                for p in checkpoints.iterdir()
+                if (m := _CHECKPOINT.fullmatch(p.name)) and _real_dir(p)
+            ]
             complete = [p for _, p in sorted(numbered, key=lambda item: item[0])]
             old = complete[: max(0, len(complete) - keep_checkpoints)]
             found += [Item(p, du(p), f"checkpoint beyond the newest {keep_checkpoints}") for p in old]
     logs_dir = RunDir(run_dir).logs
-    if logs and logs_dir.is_dir():
+    if logs and _real_dir(logs_dir):
         found.append(Item(logs_dir, du(logs_dir), "logs/ (--logs)"))
     return found
+
+
+def _real_dir(path: Path) -> bool:
+    """A directory that is not a symbolic link (a link inside a run is never followed by `clean`)."""
+    return path.is_dir() and not path.is_symlink()
+
+
+def cleanable_runs(args: argparse.Namespace) -> List[RunInfo]:
+    """The runs `clean` may look at: the one(s) named, or every run of the index (`--older-than`), each
+    verified to be the directory named or to lie under the runs root."""
+    root = runs_root(args)
+    if args.run is not None:
+        runs = resolve_all(args)
+        for info in runs:
+            if not _where_allowed(Path(info.run_dir), root, args.run):
+                raise UserError(
+                    f"not cleaning {info.run_dir}: the runs index names it but it is not under the runs root "
+                    f"{root}; name the directory itself to clean it"
+                )
+        return runs
+    listing = scan_runs(root)
+    for damage in listing.damaged:
+        console.print(f"skip     {damage.relative(root)} (unreadable)", markup=False)
+    allowed = [info for info in listing.runs if _where_allowed(Path(info.run_dir), root, None)]
+    for info in listing.runs:
+        if info not in allowed:
+            console.print(f"skip     {info.run_dir}: not under the runs root {root}", markup=False)
+    return allowed
+
+
+def _where_allowed(run_dir: Path, root: Path, named: Optional[str]) -> bool:
+    """`run_dir` is the directory the user named, or lies under the runs root."""
+    path, top = run_dir.resolve(), root.resolve()
+    if named is not None and RunDir(named).holds_run() and path == Path(named).resolve():
+        return True
+    return path != top and path.is_relative_to(top)
 
 
 def delete(found: Iterable[Item]) -> int:
@@ -142,14 +186,13 @@ def cmd_clean(args: argparse.Namespace) -> int:
         raise UserError("name one RUN or give --older-than AGE (not both)")
     if args.keep_checkpoints is not None and args.keep_checkpoints < 0:
         raise UserError(f"--keep-checkpoints must be at least 0, got {args.keep_checkpoints}")
-    if args.run is not None:
-        runs = resolve_all(args)
-    else:
+    age = 0.0
+    if args.older_than is not None:
         try:
             age = parse_age(args.older_than)
         except ValueError as exc:
             raise UserError(str(exc)) from None
-        runs = list_runs(runs_root(args))
+    runs = cleanable_runs(args)
     now = time.time()
     plan: List[tuple] = []
     for info in runs:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 from rich.table import Table
 
 from vlaslurm.cli.common import UserError, add_command, add_spec_args, console, load, runs_root
-from vlaslurm.rundir import RunDir, RunNotFound, read_info, resolve_run
+from vlaslurm.rundir import RunDir, RunNotFound, read_eval, read_info, resolve_run
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -69,10 +68,10 @@ def _eval_dir(args: argparse.Namespace) -> Path:
 
 
 def print_eval(directory: Path) -> int:
-    path = RunDir(directory).eval
-    if not path.exists():
-        raise UserError(f"{directory} has no {path.name} yet (see vlaslurm status {directory})")
-    summary = json.loads(path.read_text())
+    summary = read_eval(directory)
+    if summary is None:
+        name = RunDir(directory).eval.name
+        raise UserError(f"{directory} has no {name} yet (see vlaslurm status {directory})")
     table = Table("task", "episodes", "success")
     for task, rate in summary["success"].items():
         table.add_row(task, str(summary["episodes_per_task"][task]), f"{rate:.2f}")

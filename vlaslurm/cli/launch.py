@@ -174,6 +174,7 @@ def _entry_args(args: argparse.Namespace) -> List[str]:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     """Start a stopped run again in its run directory; the trainer continues from the newest checkpoint."""
+    from vlaslurm.rundir import read_resolved_spec
     from vlaslurm.runtime import checkpoint
     from vlaslurm.slurm.state import run_state
 
@@ -184,6 +185,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     state = run_state(info)
     if state in ("RUNNING", "PENDING", "COMPLETED"):
         raise UserError(f"run {info.run_dir} is {state}; only a stopped run can be resumed")
+    read_resolved_spec(Path(info.run_dir))  # a damaged spec stops here, before any rank starts
     console.print(f"resuming {info.run_dir} from {newest.name}")
     if args.local or info.kind == "local":
         from vlaslurm.runtime.local import resume_local

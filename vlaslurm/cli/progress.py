@@ -24,7 +24,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from vlaslurm.rundir import RunDir, read_heartbeat, read_info, read_metrics
+from vlaslurm.rundir import DamagedRunDir, RunDir, read_heartbeat, read_info, read_metrics
 
 ROLE_ORDER = ("simulator", "generator", "trainer")  # the path of one sample
 SILENT_S = 30.0  # a rank whose heartbeat is older is shown as silent
@@ -168,13 +168,21 @@ class ErrorTail:
         return found
 
 
+def _heartbeat_or_none(path: Path) -> Optional[Dict[str, Any]]:
+    """A rank's heartbeat, None if it is missing or damaged (the display shows that rank as silent)."""
+    try:
+        return read_heartbeat(path)
+    except DamagedRunDir:
+        return None
+
+
 def role_states(run_dir: Path, ranks: Dict[str, int], now: Optional[float] = None) -> List[Tuple[str, str]]:
     """(role, state) per role from its ranks' heartbeats: versions, the first rank's progress, who is silent."""
     now = time.time() if now is None else now
     beats: Dict[str, Dict[int, dict]] = {}
     for path in RunDir(run_dir).heartbeat_files():
         role, _, rank = path.stem.rpartition("-")
-        beat = read_heartbeat(path)
+        beat = _heartbeat_or_none(path)
         if beat is not None and rank.isdigit():
             beats.setdefault(role, {})[int(rank)] = beat
     states = []
@@ -263,8 +271,8 @@ class Display:
         try:
             info = read_info(run_dir)
             self.ranks, self.started = dict(info.ranks), info.created or self.started
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+        except DamagedRunDir:
+            pass  # a display shows what it can; `vlaslurm status` names the damage
         if self.live and self.show_run_dir:
             self.console.print(f"run dir: {run_dir}", markup=False, highlight=False)
 

@@ -3,82 +3,150 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from rich.table import Table
 
 from vlaslurm.cli.common import UserError, add_command, console, resolve, resolve_all, runs_root
 from vlaslurm.cli.progress import fmt_version, latest_metrics
 from vlaslurm.rundir import (
+    DamagedRunDir,
     RunDir,
     RunInfo,
+    checkpoint_fallback_line,
     exit_records,
-    list_runs,
+    read_eval,
     read_heartbeat,
     read_resolved_spec,
     restart_records,
+    scan_runs,
 )
 from vlaslurm.slurm.state import run_state
 
 
 def describe_run(info: RunInfo, now: Optional[float] = None) -> str:
     """A readable multi-line summary: state, steps' exits, restarts, checkpoints, each rank's heartbeat,
-    and which role stalled."""
-    from vlaslurm.runtime.checkpoint import latest
-
+    and which role stalled. A damaged file is shown as unreadable, and the rest still shown."""
     run_dir = Path(info.run_dir)
-    state = run_state(info)
+    now = time.time() if now is None else now
+    state = _guarded(run_dir, lambda: run_state(info))
     lines = [
         f"run      {info.name}  ({info.kind}{', job ' + info.job_id if info.job_id else ''})",
         f"dir      {info.run_dir}",
         f"state    {state}",
         f"ranks    {', '.join(f'{r}={n}' for r, n in info.ranks.items())}",
     ]
-    records = [r for r in exit_records(run_dir) if r.get("step") != "job"]
-    for record in records:
-        lines.append(
-            f"step     {record['step']:<10} exit {record['exit_code']:<4} "
-            f"after {float(record['end']) - float(record['start']):.1f} s "
-            f"(restart {record.get('restart', 0)})"
-        )
-    for record in restart_records(run_dir):
-        lines.append(
-            f"restart  {record['role']}[{record['rank']}] restarted ({record['restart']}) after exit code "
-            f"{record['exit_code']}"
-        )
-    newest = latest(run_dir)
-    lines.append(f"ckpt     {newest.name if newest else 'none yet'}")
-    lines += eval_lines(run_dir)
-    metrics = latest_metrics(run_dir)
-    if metrics.row:
-        total = (read_resolved_spec(run_dir).get("rollout") or {}).get("total_env_steps")
-        lines.append(f"metrics  {metrics.line(total)}")
-    beats = heartbeats(run_dir)
-    now = time.time() if now is None else now
-    for name, beat in beats.items():
-        lines.append(
-            f"role     {name:<14} {fmt_version(beat):<5} {beat.get('progress', '')}  "
-            f"last heartbeat {now - beat.get('time', 0):.0f} s ago"
-        )
+    lines += body_lines(run_dir, now)
     if state == "RUNNING":
-        stalled = stalled_ranks(beats, _stall_after_s(run_dir), now)
-        for name, age in stalled:
-            lines.append(
-                f"STALLED  {name}: no heartbeat for {age:.0f} s (others are alive); see "
-                f"vlaslurm logs {info.run_dir} --role {name.split('-')[0]}"
-            )
+        lines += stalled_lines(info, now)
     return "\n".join(lines)
+
+
+def describe_unreadable(run_dir: Path, damage: DamagedRunDir, now: Optional[float] = None) -> str:
+    """The summary of a run whose run info is damaged: everything else it has written."""
+    now = time.time() if now is None else now
+    lines = [f"run      unreadable ({damage.relative(run_dir)})", f"dir      {run_dir}", "state    UNKNOWN"]
+    return "\n".join(lines + body_lines(run_dir, now))
+
+
+def body_lines(run_dir: Path, now: float) -> List[str]:
+    """Steps' exits, restarts, the newest checkpoint, eval, metrics and heartbeats, each damaged part unreadable."""
+    sections = (
+        ("step", step_lines),
+        ("restart", restart_lines),
+        ("ckpt", checkpoint_lines),
+        ("eval", eval_lines),
+        ("metrics", metrics_lines),
+    )
+    lines = [line for label, read in sections for line in _guarded_lines(run_dir, label, read)]
+    return lines + heartbeat_lines(run_dir, now)
+
+
+def _guarded(run_dir: Path, read: Callable[[], object]) -> str:
+    try:
+        return str(read())
+    except DamagedRunDir as exc:
+        return f"unreadable ({exc.relative(run_dir)})"
+
+
+def _guarded_lines(run_dir: Path, label: str, read: Callable[[Path], List[str]]) -> List[str]:
+    try:
+        return read(run_dir)
+    except DamagedRunDir as exc:
+        return [f"{label:<8} unreadable ({exc.relative(run_dir)})"]
+
+
+def step_lines(run_dir: Path) -> List[str]:
+    return [
+        f"step     {record['step']:<10} exit {record['exit_code']:<4} "
+        f"after {float(record['end']) - float(record['start']):.1f} s "
+        f"(restart {record.get('restart', 0)})"
+        for record in exit_records(run_dir)
+        if record["step"] != "job"
+    ]
+
+
+def restart_lines(run_dir: Path) -> List[str]:
+    return [
+        f"restart  {record['role']}[{record['rank']}] restarted ({record['restart']}) after exit code "
+        f"{record['exit_code']}"
+        for record in restart_records(run_dir)
+    ]
+
+
+def checkpoint_lines(run_dir: Path) -> List[str]:
+    from vlaslurm.runtime.checkpoint import latest
+
+    newest = latest(run_dir)
+    lines = [f"ckpt     {newest.name if newest else 'none yet'}"]
+    fallback = checkpoint_fallback_line(run_dir)  # a resume that skipped a checkpoint that did not verify
+    return lines + ([f"fallback {fallback}"] if fallback else [])
+
+
+def metrics_lines(run_dir: Path) -> List[str]:
+    metrics = latest_metrics(run_dir)
+    if not metrics.row:
+        return []
+    try:
+        total = (read_resolved_spec(run_dir).get("rollout") or {}).get("total_env_steps")
+    except DamagedRunDir as exc:  # the line without the share of the total
+        return [f"metrics  {metrics.line(None)}", f"spec     unreadable ({exc.relative(run_dir)})"]
+    return [f"metrics  {metrics.line(total)}"]
+
+
+def heartbeat_lines(run_dir: Path, now: float) -> List[str]:
+    """One line per rank's heartbeat file; a damaged one is shown as unreadable."""
+    lines = []
+    for path in RunDir(run_dir).heartbeat_files():
+        try:
+            beat = read_heartbeat(path)
+        except DamagedRunDir as exc:
+            lines.append(f"role     {path.stem:<14} unreadable ({exc.relative(run_dir)})")
+            continue
+        if beat is not None:
+            lines.append(
+                f"role     {path.stem:<14} {fmt_version(beat):<5} {beat.get('progress', '')}  "
+                f"last heartbeat {now - beat.get('time', 0):.0f} s ago"
+            )
+    return lines
+
+
+def stalled_lines(info: RunInfo, now: float) -> List[str]:
+    run_dir = Path(info.run_dir)
+    return [
+        f"STALLED  {name}: no heartbeat for {age:.0f} s (others are alive); see "
+        f"vlaslurm logs {info.run_dir} --role {name.split('-')[0]}"
+        for name, age in stalled_ranks(heartbeats(run_dir), _stall_after_s(run_dir), now)
+    ]
 
 
 def eval_lines(run_dir: Path) -> List[str]:
     """An eval run's result, once its result file is written: success overall and per task."""
-    try:
-        summary = json.loads(RunDir(run_dir).eval.read_text())
-    except (OSError, json.JSONDecodeError):
+    summary = read_eval(run_dir)
+    if summary is None:
         return []
     outcomes = [ok for eps in summary["outcomes"].values() for ok in eps.values()]
     overall = sum(outcomes) / max(1, len(outcomes))
@@ -89,10 +157,13 @@ def eval_lines(run_dir: Path) -> List[str]:
 
 
 def heartbeats(run_dir: Path) -> Dict[str, dict]:
-    """`role-rank` -> its last heartbeat (time, version, progress)."""
+    """`role-rank` -> its last heartbeat (time, version, progress); damaged ones are left out."""
     beats = {}
     for path in RunDir(run_dir).heartbeat_files():
-        beat = read_heartbeat(path)
+        try:
+            beat = read_heartbeat(path)
+        except DamagedRunDir:
+            continue
         if beat is not None:
             beats[path.stem] = beat
     return beats
@@ -114,17 +185,21 @@ def stalled_ranks(beats: Dict[str, dict], after_s: float, now: float) -> List[Tu
 def _stall_after_s(run_dir: Path) -> float:
     """A rank is stalled when silent for longer than the run's running deadline (at least 30 s)."""
     try:
-        import yaml
-
-        spec = yaml.safe_load(RunDir(run_dir).spec.read_text())
-        return max(30.0, float(spec["runtime"]["timeout_s"]))
-    except (OSError, KeyError, TypeError, ValueError):
+        return max(30.0, float(read_resolved_spec(run_dir)["runtime"]["timeout_s"]))
+    except (DamagedRunDir, KeyError, TypeError, ValueError):
         return 120.0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """Show a run's state, its steps' exit records and its roles' progress."""
-    for index, info in enumerate(resolve_all(args)):  # a sweep name: every run of the sweep
+    """Show a run's state, its steps' exit records and its roles' progress (damaged files shown as unreadable)."""
+    try:
+        runs = resolve_all(args)
+    except DamagedRunDir as exc:
+        if not RunDir(args.run).holds_run():
+            raise
+        console.print(describe_unreadable(Path(args.run), exc), markup=False)
+        return 0
+    for index, info in enumerate(runs):  # a sweep name: every run of the sweep
         console.print(("\n" if index else "") + describe_run(info), markup=False)
     return 0
 
@@ -163,13 +238,24 @@ def _follow(files: List[Path]) -> None:
         pass
 
 
+def _state_or_unreadable(info: RunInfo, damaged: List[DamagedRunDir]) -> str:
+    """The run's state, or 'unreadable' with the damage kept for the lines under the table."""
+    try:
+        return run_state(info)
+    except DamagedRunDir as exc:
+        damaged.append(exc)
+        return "unreadable"
+
+
 def cmd_runs(args: argparse.Namespace) -> int:
-    """List runs under the runs root."""
+    """List runs under the runs root; index lines and run directories that cannot be read are listed after."""
+    root = runs_root(args)
+    listing = scan_runs(root)
     table = Table("name", "job", "kind", "state", "sweep", "created", "run dir")
-    for info in list_runs(runs_root(args)):
+    for info in listing.runs:
         if (args.name and info.name != args.name) or (args.sweep and info.sweep != args.sweep):
             continue
-        state = run_state(info)
+        state = _state_or_unreadable(info, listing.damaged)
         if args.state and not state.upper().startswith(args.state.upper()):
             continue
         table.add_row(
@@ -182,6 +268,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
             info.run_dir,
         )
     console.print(table)
+    for damage in listing.damaged:
+        console.print(f"unreadable  {damage.relative(root)}", markup=False)
     return 0
 
 

@@ -1,12 +1,19 @@
 """The run directory: its file names, typed readers and writers, atomic writes (the bottom layer).
 
 Nothing outside this package spells a run-directory file name; see `layout.py` for the tree.
+
+Damaged files: every reader raises `DamagedRunDir(path, what)` for a file that is there but unusable (not JSON or
+YAML, the wrong shape, a directory). In JSON-lines record files a line that does not parse is skipped (a crash
+tore it), while a line that parses to the wrong shape (not an object, a key missing) raises; see `checked.py`.
+`run.json`'s own `run_dir` is never followed: `read_info` answers with the directory it read.
 """
 
 from vlaslurm.rundir import layout
+from vlaslurm.rundir.checked import DamagedRunDir
 from vlaslurm.rundir.files import append_line, fsync_quietly, read_jsonl, write_atomic
 from vlaslurm.rundir.info import (
     RunInfo,
+    RunListing,
     RunNotFound,
     append_index,
     claim_run_dir,
@@ -15,6 +22,7 @@ from vlaslurm.rundir.info import (
     new_run_dir,
     read_info,
     resolve_run,
+    scan_runs,
     write_info,
 )
 from vlaslurm.rundir.layout import RunDir, comparisons_dir, index_path, profiles_dir
@@ -22,11 +30,15 @@ from vlaslurm.rundir.records import (
     Counters,
     EventLog,
     Heartbeat,
+    append_checkpoint_fallback,
     append_exit_record,
     append_metrics,
     append_restart,
+    checkpoint_fallback_line,
+    checkpoint_fallbacks,
     exit_records,
     job_outcome,
+    read_eval,
     read_events,
     read_heartbeat,
     read_ledger,
@@ -37,11 +49,16 @@ from vlaslurm.rundir.records import (
 )
 
 __all__ = [
+    "append_checkpoint_fallback",
+    "checkpoint_fallback_line",
+    "checkpoint_fallbacks",
     "Counters",
+    "DamagedRunDir",
     "EventLog",
     "Heartbeat",
     "RunDir",
     "RunInfo",
+    "RunListing",
     "RunNotFound",
     "append_exit_record",
     "append_index",
@@ -59,6 +76,7 @@ __all__ = [
     "list_runs",
     "new_run_dir",
     "profiles_dir",
+    "read_eval",
     "read_events",
     "read_heartbeat",
     "read_info",
@@ -68,6 +86,7 @@ __all__ = [
     "read_resolved_spec",
     "resolve_run",
     "restart_records",
+    "scan_runs",
     "write_atomic",
     "write_info",
     "write_table",

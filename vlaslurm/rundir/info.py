@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from vlaslurm.rundir.checked import DamagedRunDir, Shape, check_record, json_lines, read_json_object
 from vlaslurm.rundir.files import append_line, write_atomic
 from vlaslurm.rundir.layout import RUN_INFO, RunDir, index_path
 from vlaslurm.rundir.secret import create_secret
@@ -49,12 +51,19 @@ def new_run_dir(runs_root: Path, name: str, stamp: Optional[str] = None) -> Path
 
 
 def claim_run_dir(path: Path) -> Path:
-    """Use an explicit `--run-dir`; refuse one that already holds a run (nothing is overwritten)."""
+    """Use an explicit `--run-dir`; refuse one that already holds a run (nothing is overwritten). Only a
+    directory made here is made private (0700): an existing one keeps its mode."""
     path = Path(path)
     if (path / RUN_INFO).exists():
         raise FileExistsError(f"{path} already holds a run ({RUN_INFO}); choose another --run-dir")
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path, 0o700)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        if not path.is_dir():
+            raise FileExistsError(f"--run-dir {path} exists and is not a directory") from None
+        return path
+    os.chmod(path, 0o700)  # mkdir's mode passes through the umask
     return path
 
 
@@ -78,10 +87,46 @@ def write_info(info: RunInfo) -> None:
     write_atomic(Path(info.run_dir) / RUN_INFO, json.dumps(asdict(info), indent=2).encode())
 
 
+INFO_KEYS: Shape = {"name": str, "run_dir": str, "kind": str}
+INFO_TYPES: Shape = {
+    "created": (int, float),
+    "job_id": (str, type(None)),
+    "spec_path": str,
+    "overrides": list,
+    "ranks": dict,
+    "sweep": (str, type(None)),
+}
+JOB_ID = re.compile(r"\d+")
+
+
 def read_info(run_dir: Path) -> RunInfo:
-    """Read `run.json` of a run directory."""
-    data = json.loads((Path(run_dir) / RUN_INFO).read_text())
-    return RunInfo(**data)
+    """Read `run.json` of a run directory; DamagedRunDir if it is missing, unreadable or of the wrong shape.
+
+    `run_dir` of the result is the directory read, whatever the file says (a moved or edited `run.json`
+    never points a command at another directory)."""
+    path = Path(run_dir) / RUN_INFO
+    data = read_json_object(path, INFO_KEYS)
+    if data is None:
+        raise DamagedRunDir(path, "missing")
+    present = {key: kind for key, kind in INFO_TYPES.items() if key in data}
+    check_record(path, data, present)
+    job_id = data.get("job_id")
+    if job_id is not None and not JOB_ID.fullmatch(job_id):
+        raise DamagedRunDir(path, f"job_id {job_id!r} is not a Slurm job id (digits only)")
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in data.get("ranks", {}).values()):
+        raise DamagedRunDir(path, f"ranks {data['ranks']!r} are not role: count")
+    known = {f.name for f in fields(RunInfo)}
+    info = RunInfo(**{key: value for key, value in data.items() if key in known})
+    if not _same_dir(Path(info.run_dir), Path(run_dir)):
+        info.run_dir = str(Path(run_dir).absolute())
+    return info
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except (OSError, RuntimeError):
+        return False
 
 
 def append_index(runs_root: Path, info: RunInfo) -> None:
@@ -100,23 +145,45 @@ def append_index(runs_root: Path, info: RunInfo) -> None:
     append_line(index_path(runs_root), line, mode=0o600)
 
 
-def list_runs(runs_root: Path) -> List[RunInfo]:
-    """Runs of the index whose directory still exists, oldest first (the newest record of each wins)."""
-    index = index_path(runs_root)
-    if not index.exists():
-        return []
-    by_dir: Dict[str, dict] = {}
-    for line in index.read_text().splitlines():
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn last line from a crash must not hide every other run
-        by_dir[entry["run_dir"]] = entry
-    runs = []
-    for run_dir in by_dir:
+@dataclass
+class RunListing:
+    """The runs of the index that can be read, and what could not (a bad index line or `run.json`)."""
+
+    runs: List[RunInfo] = field(default_factory=list)
+    damaged: List[DamagedRunDir] = field(default_factory=list)
+
+
+def scan_runs(runs_root: Path) -> RunListing:
+    """Runs of the index whose directory still exists, oldest first (the newest record of each wins);
+    damaged index lines and run directories are collected, not raised."""
+    listing = RunListing()
+    for run_dir in _indexed_dirs(index_path(runs_root), listing.damaged):
         if (Path(run_dir) / RUN_INFO).exists():
-            runs.append(read_info(Path(run_dir)))
-    return sorted(runs, key=lambda r: r.created)
+            try:
+                listing.runs.append(read_info(Path(run_dir)))
+            except DamagedRunDir as exc:
+                listing.damaged.append(exc)
+    listing.runs.sort(key=lambda r: r.created)
+    return listing
+
+
+def _indexed_dirs(index: Path, damaged: List[DamagedRunDir]) -> List[str]:
+    """The run directories the index names, once each (a torn line is skipped, a bad one collected)."""
+    dirs: Dict[str, None] = {}
+    try:
+        for number, entry in json_lines(index):
+            try:
+                dirs[check_record(index, entry, {"run_dir": str}, number)["run_dir"]] = None
+            except DamagedRunDir as exc:
+                damaged.append(exc)
+    except DamagedRunDir as exc:
+        damaged.append(exc)
+    return list(dirs)
+
+
+def list_runs(runs_root: Path) -> List[RunInfo]:
+    """The readable runs of the index, oldest first (`scan_runs` also says which could not be read)."""
+    return scan_runs(runs_root).runs
 
 
 def resolve_run(runs_root: Path, ref: str) -> RunInfo:
@@ -124,9 +191,13 @@ def resolve_run(runs_root: Path, ref: str) -> RunInfo:
     path = Path(ref)
     if (path / RUN_INFO).exists():
         return read_info(path)
-    runs = list_runs(runs_root)
+    listing = scan_runs(runs_root)
+    runs = listing.runs
     matches = [r for r in runs if r.job_id == ref] or [r for r in runs if r.name == ref or r.sweep == ref]
     if not matches:
         known = ", ".join(sorted({r.name for r in runs})) or "none"
-        raise RunNotFound(f"no run {ref!r} under {runs_root} (a run directory, job id or run name; runs: {known})")
+        unreadable = "".join(f"; unreadable: {exc}" for exc in listing.damaged)
+        raise RunNotFound(
+            f"no run {ref!r} under {runs_root} (a run directory, job id or run name; runs: {known}){unreadable}"
+        )
     return matches[-1]

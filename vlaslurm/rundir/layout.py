@@ -6,7 +6,7 @@
     exit_record.jsonl  restarts.jsonl  metrics.jsonl  final.json  eval.json  ledger.parquet
     logs/<role>/<rank>.log  logs/batch-<jobid>.log
     events/ counters/ heartbeats/ probe/   <role>-<rank>.json(l)
-    rendezvous/<job-key>/  weights/  checkpoints/v<version>/  final_model/
+    rendezvous/<job-key>/  weights/  checkpoints/v<version>/  checkpoints/fallbacks.jsonl  final_model/
     eval/sim-<rank>.json  failed/ (eval trajectories)  failures/<task>/<n>.gif  tracking/ (tracker state)
 """
 
@@ -51,12 +51,14 @@ COMPARISONS = "comparisons"  # `vlaslurm compare` tables, under the runs root
 MLARTIFACTS = "mlartifacts"  # the embedded MLflow store's artifacts, under the runs root
 
 # inside one checkpoint folder
-CKPT_STATE = "state.json"  # written last: its presence marks a complete folder
+CKPT_STATE = "state.json"
+CKPT_MANIFEST = "manifest.json"  # every other file's path, size and sha256; written last: marks a complete folder
 CKPT_MODEL = "model.safetensors"
 CKPT_RNG = "rng.safetensors"
 CKPT_OPTIM = "optim.pt"
 CKPT_LEDGER = LEDGER
 CHECKPOINT_NAME = re.compile(r"v(\d{8,})")  # checkpoints/v<version, 8+ digits>; use fullmatch
+CHECKPOINT_FALLBACKS = "fallbacks.jsonl"  # checkpoints/fallbacks.jsonl: resumes that skipped a checkpoint
 # inside tracking/
 TRACKER_STATE = "state.json"
 TRACKER_FAILED = "failed_trajectories.json"
@@ -96,6 +98,7 @@ class RunDir:
     rendezvous_root = property(lambda self: self.root / RENDEZVOUS)
     weights = property(lambda self: self.root / WEIGHTS)
     checkpoints = property(lambda self: self.root / CHECKPOINTS)
+    checkpoint_fallbacks = property(lambda self: self.root / CHECKPOINTS / CHECKPOINT_FALLBACKS)
     final_model = property(lambda self: self.root / FINAL_MODEL)
     failed = property(lambda self: self.root / FAILED)
     failures = property(lambda self: self.root / FAILURES)

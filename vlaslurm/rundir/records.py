@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from vlaslurm.rundir.checked import DamagedRunDir, Shape, read_json_object, read_text, records
 from vlaslurm.rundir.files import append_line, read_jsonl, write_atomic
 from vlaslurm.rundir.layout import RunDir
 
@@ -111,17 +112,22 @@ class Heartbeat:
             self._last = now
 
 
+HEARTBEAT_KEYS: Shape = {"time": (int, float), "progress": str}
+EXIT_KEYS: Shape = {"step": str, "exit_code": int, "start": (int, float), "end": (int, float)}
+RESTART_KEYS: Shape = {"role": str, "rank": int, "restart": int, "exit_code": int}
+EVAL_KEYS: Shape = {"success": dict, "outcomes": dict, "episodes_per_task": dict}
+
+
 def read_heartbeat(path: Path) -> Optional[Dict[str, Any]]:
-    """One heartbeat file ({time, version, progress}), None if it is missing or half written."""
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
+    """One heartbeat file ({time, version, progress}), None if it is missing (written atomically, so never
+    half written); DamagedRunDir if it is there but not a heartbeat."""
+    return read_json_object(Path(path), HEARTBEAT_KEYS)
 
 
 def exit_records(run_dir: Path) -> List[dict]:
-    """The steps' exit lines (batch script or local launcher; torn lines from a killed job are skipped)."""
-    return read_jsonl(RunDir(run_dir).exit_record)
+    """The steps' exit lines (batch script or local launcher; torn lines from a killed job are skipped,
+    a line of the wrong shape raises DamagedRunDir)."""
+    return records(RunDir(run_dir).exit_record, EXIT_KEYS)
 
 
 def append_exit_record(run_dir: Path, record: Dict[str, Any]) -> None:
@@ -135,17 +141,42 @@ def job_outcome(run_dir: Path) -> Optional[int]:
 
 
 def restart_records(run_dir: Path) -> List[dict]:
-    """One line per worker restart (`runtime.worker`'s supervisor)."""
-    return read_jsonl(RunDir(run_dir).restarts)
+    """One line per worker restart (`runtime.worker`'s supervisor; torn lines skipped, DamagedRunDir for a line of
+    the wrong shape)."""
+    return records(RunDir(run_dir).restarts, RESTART_KEYS)
 
 
 def append_restart(run_dir: Path, record: Dict[str, Any]) -> None:
     append_line(RunDir(run_dir).restarts, json.dumps(record))
 
 
+def checkpoint_fallbacks(run_dir: Path) -> List[dict]:
+    """Resumes that skipped checkpoints which did not verify, oldest first (`runtime.checkpoint.resume_point`):
+    each {"time", "resumed_from": "v<version>" or None, "skipped": [{"checkpoint": "v<version>", "reason"}]}."""
+    return read_jsonl(RunDir(run_dir).checkpoint_fallbacks)
+
+
+def append_checkpoint_fallback(run_dir: Path, resumed_from: Optional[str], skipped: Dict[str, str]) -> None:
+    """Record that a resume skipped `skipped` ({checkpoint folder name: why}) and took `resumed_from`."""
+    path = RunDir(run_dir).checkpoint_fallbacks
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    reasons = [{"checkpoint": name, "reason": why} for name, why in skipped.items()]
+    append_line(path, json.dumps({"time": time.time(), "resumed_from": resumed_from, "skipped": reasons}))
+
+
+def checkpoint_fallback_line(run_dir: Path) -> Optional[str]:
+    """The latest fallback in one line (for `status`), None if no resume ever skipped a checkpoint."""
+    records = checkpoint_fallbacks(run_dir)
+    if not records:
+        return None
+    last = records[-1]
+    skipped = "; ".join(f"{s['checkpoint']} skipped: {s['reason']}" for s in last["skipped"])
+    return f"resumed from {last['resumed_from'] or 'nothing'} ({skipped})"
+
+
 def read_metrics(run_dir: Path) -> List[dict]:
-    """The trainer's metric lines, one per update."""
-    return read_jsonl(RunDir(run_dir).metrics)
+    """The trainer's metric lines, one per update (torn lines skipped, DamagedRunDir for a line that is no object)."""
+    return records(RunDir(run_dir).metrics, {})
 
 
 def append_metrics(run_dir: Path, record: Dict[str, Any]) -> None:
@@ -165,7 +196,15 @@ def read_ledger(run_dir: Path) -> Any:
     """The version-lag ledger of a run (a pandas frame; one row per segment the trainer received)."""
     import pandas as pd
 
-    return pd.read_parquet(RunDir(run_dir).ledger)
+    path = RunDir(run_dir).ledger
+    if path.is_dir():
+        raise DamagedRunDir(path, "is a directory, not a file")
+    try:
+        return pd.read_parquet(path)
+    except (OSError, ValueError) as exc:  # pyarrow's errors derive from these
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise DamagedRunDir(path, f"not a parquet table ({type(exc).__name__})") from None
 
 
 def read_resolved_spec(run_dir: Path) -> Dict[str, Any]:
@@ -174,4 +213,28 @@ def read_resolved_spec(run_dir: Path) -> Dict[str, Any]:
     import yaml
 
     path = RunDir(run_dir).spec
-    return (yaml.safe_load(path.read_text()) or {}) if path.exists() else {}
+    text = read_text(path)
+    try:
+        spec = yaml.safe_load(text or "") or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        raise DamagedRunDir(path, "not YAML" + (f" (line {mark.line + 1})" if mark else "")) from None
+    if not isinstance(spec, dict):
+        raise DamagedRunDir(path, f"not a mapping of spec sections (a {type(spec).__name__})")
+    return spec
+
+
+def read_eval(run_dir: Path) -> Optional[Dict[str, Any]]:
+    """An eval run's result (`RunDir.eval`: success and episodes per task, each episode's outcome), None before
+    it is written; DamagedRunDir if it is there but not such a result."""
+    path = RunDir(run_dir).eval
+    summary = read_json_object(path, EVAL_KEYS)
+    if summary is None:
+        return None
+    for task, episodes in summary["outcomes"].items():
+        if not isinstance(episodes, dict):
+            raise DamagedRunDir(path, f"outcomes of {task!r} are not episode: success")
+    for task, rate in summary["success"].items():
+        if not isinstance(rate, (int, float)) or task not in summary["episodes_per_task"]:
+            raise DamagedRunDir(path, f"success of {task!r} is {rate!r} (or it has no episodes_per_task)")
+    return summary

@@ -1,13 +1,25 @@
-"""Trainer checkpoints: save atomically, keep the last few, resume from the newest.
+"""Trainer checkpoints: save atomically, keep the last few, resume from the newest that verifies.
 
 ``<run>/checkpoints/v<8 digits>/`` holds the weights that are that policy version, the optimizer
-and RNG states, counters and the ledger so far; it is written in a temporary folder and renamed,
-so such a folder is always complete. Nothing is unpickled beyond ``torch.load(weights_only=True)``.
-Details (the folder's files): docs/runtime.md
+and RNG states, counters and the ledger so far. It is written in a temporary folder: every file is
+fsynced, then ``manifest.json`` (each file's relative path, size and sha256) is written atomically,
+last, and the folder is renamed into place. Only a folder with a manifest is a checkpoint; `load`
+checks sizes and hashes first and raises `CheckpointError` naming the file and what is wrong. A
+resume (`resume_point`) takes the newest checkpoint that verifies, warns about the newer ones it
+skipped and records them for ``status`` (`rundir.records.append_checkpoint_fallback`). Hashing
+works on a list of files (`hash_files`) and `merge_entries` joins the lists, so each rank of a
+sharded checkpoint can hash its own shard.
+
+Older checkpoints (``state.json`` but no manifest) are refused, not loaded unverified: without a
+manifest a torn save cannot be told from a whole one. A resume names them among the skipped and,
+if nothing verifies, stops with a `CheckpointError` rather than silently starting from version 0.
+Nothing is unpickled beyond ``torch.load(weights_only=True)``. Details (the folder's files):
+docs/runtime.md
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -15,18 +27,45 @@ import random
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from vlaslurm.log import get_logger
-from vlaslurm.rundir import RunDir, fsync_quietly, layout
+from vlaslurm.rundir import RunDir, fsync_quietly, layout, write_atomic
+from vlaslurm.rundir.records import append_checkpoint_fallback
 
 log = get_logger("vlaslurm.checkpoint")
 
 _NAME = layout.CHECKPOINT_NAME
+MANIFEST_FORMAT = 1
+_HASH_CHUNK = 8 << 20  # bytes read at a time while hashing
+REQUIRED = (layout.CKPT_STATE, layout.CKPT_MODEL, layout.CKPT_RNG)  # in every checkpoint; optim.pt with an optimizer
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be trusted: `path` (a file, or the folder) and what is wrong with it."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path, self.problem = Path(path), problem
+
+    @property
+    def reason(self) -> str:
+        """The file's name and the problem, for a line naming the checkpoint folder already."""
+        return f"{self.path.name}: {self.problem}"
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a checkpoint as its manifest records it."""
+
+    path: str
+    """Relative to the checkpoint folder."""
+    size: int
+    sha256: str
 
 
 @dataclass
@@ -48,24 +87,150 @@ def checkpoints_dir(run_dir: Path) -> Path:
 
 
 def list_checkpoints(run_dir: Path) -> List[Path]:
-    """Complete checkpoints, oldest first."""
+    """Complete checkpoints (their manifest is there; their files are not checked here), oldest first."""
+    return [p for p in _numbered(run_dir) if (p / layout.CKPT_MANIFEST).is_file()]
+
+
+def _numbered(run_dir: Path) -> List[Path]:
+    """Every `v<version>` folder, complete or not, oldest first."""
     directory = checkpoints_dir(run_dir)
     if not directory.is_dir():
         return []
-    found = [p for p in directory.iterdir() if _NAME.fullmatch(p.name) and (p / layout.CKPT_STATE).exists()]
-    return sorted(found, key=_version_of)
+    return sorted((p for p in directory.iterdir() if _NAME.fullmatch(p.name) and p.is_dir()), key=_version_of)
 
 
 def _version_of(path: Path) -> int:
     match = _NAME.fullmatch(path.name)
-    assert match is not None  # list_checkpoints keeps only the names that match
+    assert match is not None  # _numbered keeps only the names that match
     return int(match.group(1))
 
 
 def latest(run_dir: Path) -> Optional[Path]:
-    """The newest complete checkpoint, or None."""
+    """The newest complete checkpoint, or None (cheap: the manifest's presence, no hashing)."""
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def hash_files(folder: Path, names: Iterable[str]) -> List[FileEntry]:
+    """Size and sha256 of each file `folder / name`: what one rank contributes to the manifest."""
+    return [_hash_file(folder, name) for name in names]
+
+
+def _hash_file(folder: Path, name: str) -> FileEntry:
+    digest = hashlib.sha256()
+    with (folder / name).open("rb") as handle:  # hashlib.file_digest is Python 3.11+
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+        return FileEntry(name, os.fstat(handle.fileno()).st_size, digest.hexdigest())
+
+
+def merge_entries(parts: Iterable[Sequence[FileEntry]]) -> List[FileEntry]:
+    """One manifest's entries from each rank's `hash_files`, sorted by path; a path hashed twice is an error."""
+    merged: Dict[str, FileEntry] = {}
+    for entry in (entry for part in parts for entry in part):
+        if entry.path in merged:
+            raise ValueError(f"{entry.path} is in two ranks' parts of the checkpoint manifest")
+        merged[entry.path] = entry
+    return [merged[path] for path in sorted(merged)]
+
+
+def write_manifest(folder: Path, entries: Sequence[FileEntry]) -> None:
+    """Write the manifest atomically; it marks the folder complete, so fsync the files it lists first."""
+    body = {"format": MANIFEST_FORMAT, "files": [asdict(entry) for entry in entries]}
+    write_atomic(folder / layout.CKPT_MANIFEST, json.dumps(body, indent=1).encode(), mode=0o600)
+
+
+def read_manifest(folder: Path) -> List[FileEntry]:
+    """The entries of `folder`'s manifest; CheckpointError if it is missing or malformed."""
+    path = Path(folder) / layout.CKPT_MANIFEST
+    if not path.is_file():
+        raise CheckpointError(path, "missing: a save that did not finish, or a checkpoint older than manifests")
+    try:
+        body = json.loads(path.read_text())
+        if body.get("format") != MANIFEST_FORMAT:
+            raise ValueError(f"format {body.get('format')!r}, this vlaslurm reads format {MANIFEST_FORMAT}")
+        return [FileEntry(str(f["path"]), int(f["size"]), str(f["sha256"])) for f in body["files"]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CheckpointError(path, f"unreadable ({error})") from error
+
+
+def verify_files(folder: Path, entries: Sequence[FileEntry]) -> None:
+    """Check that each listed file is there with its size and sha256 (sizes of all first: they are cheap)."""
+    for entry in entries:
+        _check_size(folder, entry)
+    for entry in entries:
+        actual = _hash_file(folder, entry.path).sha256
+        if actual != entry.sha256:
+            problem = f"sha256 {actual[:16]}... differs from the manifest's {entry.sha256[:16]}... (corrupted)"
+            raise CheckpointError(folder / entry.path, problem)
+
+
+def _check_size(folder: Path, entry: FileEntry) -> None:
+    path = folder / entry.path
+    if not path.is_file():
+        raise CheckpointError(path, f"missing (the manifest lists {entry.size} bytes)")
+    size = path.stat().st_size
+    if size != entry.size:
+        raise CheckpointError(path, f"{size} bytes, the manifest says {entry.size} (truncated or overwritten)")
+
+
+def verify(folder: Path, required: Sequence[str] = REQUIRED) -> List[FileEntry]:
+    """Check a whole checkpoint folder: its manifest, the `required` files in it, every file's size and hash."""
+    entries = read_manifest(folder)
+    _require(folder, entries, required)
+    verify_files(folder, entries)
+    return entries
+
+
+def _require(folder: Path, entries: Sequence[FileEntry], required: Sequence[str]) -> None:
+    listed = {entry.path for entry in entries}
+    for name in required:
+        if name not in listed:
+            raise CheckpointError(Path(folder) / name, "missing: the manifest does not list it")
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resume starts, and why each newer checkpoint folder was skipped."""
+
+    path: Optional[Path]
+    """The newest checkpoint that verifies, None if there is none."""
+    skipped: Dict[str, str] = field(default_factory=dict)
+    """Folder name -> why it was skipped (`CheckpointError.reason`), newest first."""
+
+
+def latest_verified(run_dir: Path, required: Sequence[str] = REQUIRED) -> ResumePoint:
+    """The newest checkpoint folder that verifies (hashing each one tried), and the newer ones skipped."""
+    skipped: Dict[str, str] = {}
+    for folder in reversed(_numbered(run_dir)):
+        try:
+            verify(folder, required)
+        except CheckpointError as error:
+            skipped[folder.name] = error.reason
+            continue
+        return ResumePoint(folder, skipped)
+    return ResumePoint(None, skipped)
+
+
+def resume_point(run_dir: Path, record: bool, required: Sequence[str] = REQUIRED) -> Optional[Path]:
+    """The checkpoint a trainer resumes from (verified; None for a fresh run). Skipped folders are logged and,
+    with `record` (one rank), recorded for `status`; CheckpointError if there are checkpoints but none verifies."""
+    point = latest_verified(run_dir, required)
+    taken = point.path.name if point.path else None
+    for name, why in point.skipped.items():
+        log.warning("checkpoint %s skipped, resuming from %s instead: %s", name, taken or "nothing", why)
+    if point.skipped and record:
+        append_checkpoint_fallback(run_dir, taken, point.skipped)
+    if point.path is None and point.skipped:
+        reasons = "; ".join(f"{name}: {why}" for name, why in point.skipped.items())
+        problem = f"no checkpoint verifies ({reasons}); move the folder away to start the run over"
+        raise CheckpointError(checkpoints_dir(run_dir), problem)
+    return point.path
+
+
+def required_files(optimizer: Optional[torch.optim.Optimizer]) -> Sequence[str]:
+    """What a checkpoint must hold to resume a learner with (or without) an optimizer."""
+    return REQUIRED + ((layout.CKPT_OPTIM,) if optimizer is not None else ())
 
 
 def _state_dict(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
@@ -123,27 +288,51 @@ def save(
         buffer = io.BytesIO()
         pd.DataFrame(ledger_rows, columns=COLUMNS).to_parquet(buffer, index=False)
         (tmp / layout.CKPT_LEDGER).write_bytes(buffer.getvalue())
-    (tmp / layout.CKPT_STATE).write_text(json.dumps(asdict(state)))  # last: its presence marks a complete folder
-    for path in tmp.iterdir():
-        fsync_quietly(path)
+    (tmp / layout.CKPT_STATE).write_text(json.dumps(asdict(state)))
+    names = sorted(path.name for path in tmp.iterdir())
+    for name in names:
+        fsync_quietly(tmp / name)
+    write_manifest(tmp, merge_entries([hash_files(tmp, names)]))  # last: it marks the folder complete
     if final.exists():  # the same version saved again (a signal right after a periodic save)
         shutil.rmtree(final)
     os.rename(tmp, final)
     fsync_quietly(directory)
-    for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    _prune(run_dir, keep)
     log.info("checkpoint v%d saved to %s", state.version, final)
     return final
 
 
+def _prune(run_dir: Path, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints; remove every numbered folder older than those (torn ones too)."""
+    complete = list_checkpoints(run_dir)
+    if keep < 1 or len(complete) <= keep:
+        return
+    oldest_kept = _version_of(complete[len(complete) - keep])
+    for old in _numbered(run_dir):
+        if _version_of(old) < oldest_kept:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def load(
-    path: Path, policy: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], device: torch.device
+    path: Path,
+    policy: torch.nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    device: torch.device,
+    verify_first: bool = True,
 ) -> TrainerState:
-    """Restore parameters, optimizer and RNG states from `path`; return the trainer's counters."""
+    """Restore parameters, optimizer and RNG states from `path`; return the trainer's counters.
+
+    Sizes and hashes are checked first (CheckpointError naming the file); `verify_first=False` only right
+    after `resume_point` or `latest_verified` checked this folder (the manifest's file list is still checked).
+    """
+    if verify_first:
+        verify(path, required_files(optimizer))
+    else:
+        _require(path, read_manifest(path), required_files(optimizer))
     state = TrainerState(**json.loads((path / layout.CKPT_STATE).read_text()))
     weights = load_file(str(path / layout.CKPT_MODEL), device=str(device))
     policy.load_state_dict(weights)
-    if optimizer is not None and (path / layout.CKPT_OPTIM).exists():
+    if optimizer is not None:
         optimizer.load_state_dict(torch.load(path / layout.CKPT_OPTIM, map_location=device, weights_only=True))
     rng = load_file(str(path / layout.CKPT_RNG))
     torch.set_rng_state(rng["torch_cpu"])

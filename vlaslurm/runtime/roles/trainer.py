@@ -25,7 +25,7 @@ from vlaslurm.algos.batch import TrainBatch, collate, decode_strings, encode_str
 from vlaslurm.algos.learners import DataParallel, make_learner
 from vlaslurm.log import get_logger, set_context
 from vlaslurm.models import build_policy
-from vlaslurm.rundir import Counters, EventLog, Heartbeat, RunDir, append_metrics, read_heartbeat
+from vlaslurm.rundir import Counters, DamagedRunDir, EventLog, Heartbeat, RunDir, append_metrics, read_heartbeat
 from vlaslurm.runtime import checkpoint as ckpt
 from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime import signals
@@ -315,7 +315,10 @@ def generator_states(run_dir) -> Dict[str, str]:
     """Each generator rank's last reported state ('holding' or 'serving'), from its heartbeat."""
     states = {}
     for path in RunDir(run_dir).heartbeat_files("generator"):
-        beat = read_heartbeat(path)
+        try:
+            beat = read_heartbeat(path)
+        except DamagedRunDir:  # a generator's state is a hint for the starvation check, never worth a crash
+            continue
         if beat is None:
             continue
         progress = beat.get("progress", "")
@@ -400,7 +403,6 @@ def build_trainer_policy(cfg: TrainerConfig, ctx: RankContext) -> torch.nn.Modul
 def run(ctx: RankContext, cfg: TrainerConfig) -> int:
     """Entry point of a trainer rank."""
     signals.install(drain_on_term=True)
-    resume_from = ckpt.latest(ctx.run_dir)
     pull = pub = None
     ports = {}
     if ctx.rank == 0:
@@ -426,7 +428,10 @@ def run(ctx: RankContext, cfg: TrainerConfig) -> int:
     group = data_parallel_group(trainers, ctx.deadlines.first_s + ctx.deadlines.running_s)
     policy = build_trainer_policy(cfg, ctx)
     learner = make_learner(cfg.algo, policy, DataParallel(group, ctx.rank, len(trainers)), cfg.rollout.seed)
-    start = ckpt.load(resume_from, policy, getattr(learner, "opt", None), ctx.device) if resume_from else None
+    optimizer = getattr(learner, "opt", None)
+    # The newest checkpoint that verifies (every rank checks the same files; rank 0 records a fallback).
+    resume_from = ckpt.resume_point(ctx.run_dir, record=ctx.rank == 0, required=ckpt.required_files(optimizer))
+    start = ckpt.load(resume_from, policy, optimizer, ctx.device, verify_first=False) if resume_from else None
     signals.ready()
     if ctx.rank == 0:
         assert pull is not None and pub is not None  # bound above by rank 0
