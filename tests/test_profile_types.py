@@ -11,21 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vlaslurm.placement.costs import from_profile
+from vlaslurm.placement.costs import from_profile, summarize
 from vlaslurm.placement.profile import read_profile
 from vlaslurm.placement.profile_types import PROFILE_VERSION, Profile, ProfileError, StaleProfile
 
-
-def summary(xs):
-    a = np.asarray(xs, float)
-    return {
-        "mean": float(a.mean()),
-        "p50": float(np.quantile(a, 0.5)),
-        "p90": float(np.quantile(a, 0.9)),
-        "p99": float(np.quantile(a, 0.99)),
-        "max": float(a.max()),
-        "n": int(a.size),
-    }
+summary = summarize  # the profile's own summaries, as the profiling job writes them
 
 
 def fabricated():
