@@ -40,10 +40,14 @@ def test_waiting_is_fine_otherwise(silent: float, states: dict) -> None:
 def test_states_come_from_the_generators_heartbeats(tmp_path: Path) -> None:
     beats = tmp_path / "heartbeats"
     beats.mkdir()
-    (beats / "generator-0.json").write_text(json.dumps({"progress": "served_steps=64 holding"}))
-    (beats / "generator-1.json").write_text(json.dumps({"progress": "served_steps=80 serving"}))
-    (beats / "simulator-0.json").write_text(json.dumps({"progress": "env_steps=10"}))
-    (beats / "generator-2.json").write_text("{torn")
+
+    def beat(progress: str) -> str:  # what Heartbeat.beat writes
+        return json.dumps({"time": 1.0, "version": 3, "progress": progress})
+
+    (beats / "generator-0.json").write_text(beat("served_steps=64 holding"))
+    (beats / "generator-1.json").write_text(beat("served_steps=80 serving"))
+    (beats / "simulator-0.json").write_text(beat("env_steps=10"))
+    (beats / "generator-2.json").write_text("{torn")  # damaged: skipped, never a crash of the trainer
     assert generator_states(tmp_path) == {"generator-0": "holding", "generator-1": "serving"}
 
 
