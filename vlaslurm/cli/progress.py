@@ -24,7 +24,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from vlaslurm.rundir import DamagedRunDir, RunDir, read_heartbeat, read_info, read_metrics
+from vlaslurm.rundir import DamagedRunDir, RunDir, read_heartbeats, read_info, read_metrics
 
 ROLE_ORDER = ("simulator", "generator", "trainer")  # the path of one sample
 SILENT_S = 30.0  # a rank whose heartbeat is older is shown as silent
@@ -168,22 +168,13 @@ class ErrorTail:
         return found
 
 
-def _heartbeat_or_none(path: Path) -> Optional[Dict[str, Any]]:
-    """A rank's heartbeat, None if it is missing or damaged (the display shows that rank as silent)."""
-    try:
-        return read_heartbeat(path)
-    except DamagedRunDir:
-        return None
-
-
 def role_states(run_dir: Path, ranks: Dict[str, int], now: Optional[float] = None) -> List[Tuple[str, str]]:
     """(role, state) per role from its ranks' heartbeats: versions, the first rank's progress, who is silent."""
     now = time.time() if now is None else now
     beats: Dict[str, Dict[int, dict]] = {}
-    for path in RunDir(run_dir).heartbeat_files():
-        role, _, rank = path.stem.rpartition("-")
-        beat = _heartbeat_or_none(path)
-        if beat is not None and rank.isdigit():
+    for name, beat in read_heartbeats(run_dir).items():  # a damaged one: that rank is shown as silent
+        role, _, rank = name.rpartition("-")
+        if rank.isdigit():
             beats.setdefault(role, {})[int(rank)] = beat
     states = []
     for role in sorted(set(ranks) | set(beats), key=lambda r: (ROLE_ORDER + (r,)).index(r)):

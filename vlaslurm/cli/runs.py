@@ -20,6 +20,7 @@ from vlaslurm.rundir import (
     exit_records,
     read_eval,
     read_heartbeat,
+    read_heartbeats,
     read_resolved_spec,
     restart_records,
     scan_runs,
@@ -139,7 +140,7 @@ def stalled_lines(info: RunInfo, now: float) -> List[str]:
     return [
         f"STALLED  {name}: no heartbeat for {age:.0f} s (others are alive); see "
         f"vlaslurm logs {info.run_dir} --role {name.split('-')[0]}"
-        for name, age in stalled_ranks(heartbeats(run_dir), _stall_after_s(run_dir), now)
+        for name, age in stalled_ranks(read_heartbeats(run_dir), _stall_after_s(run_dir), now)
     ]
 
 
@@ -154,19 +155,6 @@ def eval_lines(run_dir: Path) -> List[str]:
     failed = RunDir(run_dir).failed
     kept = f"; failed trajectories in {failed}" if failed.is_dir() else ""
     return [f"eval     success {overall:.2f} over {len(outcomes)} episodes ({tasks}){kept}"]
-
-
-def heartbeats(run_dir: Path) -> Dict[str, dict]:
-    """`role-rank` -> its last heartbeat (time, version, progress); damaged ones are left out."""
-    beats = {}
-    for path in RunDir(run_dir).heartbeat_files():
-        try:
-            beat = read_heartbeat(path)
-        except DamagedRunDir:
-            continue
-        if beat is not None:
-            beats[path.stem] = beat
-    return beats
 
 
 def stalled_ranks(beats: Dict[str, dict], after_s: float, now: float) -> List[Tuple[str, float]]:

@@ -124,6 +124,20 @@ def read_heartbeat(path: Path) -> Optional[Dict[str, Any]]:
     return read_json_object(Path(path), HEARTBEAT_KEYS)
 
 
+def read_heartbeats(run_dir: Path, role: str = "*") -> Dict[str, Dict[str, Any]]:
+    """`<role>-<rank>` -> its last heartbeat, for every readable heartbeat of `role` (all roles by default);
+    missing or damaged ones are left out (readers that must name a damaged one use `read_heartbeat`)."""
+    beats = {}
+    for path in RunDir(run_dir).heartbeat_files(role):
+        try:
+            beat = read_heartbeat(path)
+        except DamagedRunDir:
+            continue
+        if beat is not None:
+            beats[path.stem] = beat
+    return beats
+
+
 def exit_records(run_dir: Path) -> List[dict]:
     """The steps' exit lines (batch script or local launcher; torn lines from a killed job are skipped,
     a line of the wrong shape raises DamagedRunDir)."""

@@ -25,7 +25,7 @@ from vlaslurm.algos.batch import TrainBatch, collate, decode_strings, encode_str
 from vlaslurm.algos.learners import DataParallel, make_learner
 from vlaslurm.log import get_logger, set_context
 from vlaslurm.models import build_policy
-from vlaslurm.rundir import Counters, DamagedRunDir, EventLog, Heartbeat, RunDir, append_metrics, read_heartbeat
+from vlaslurm.rundir import Counters, EventLog, Heartbeat, RunDir, append_metrics, read_heartbeats
 from vlaslurm.runtime import checkpoint as ckpt
 from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime import signals
@@ -314,15 +314,8 @@ class Collector:
 def generator_states(run_dir) -> Dict[str, str]:
     """Each generator rank's last reported state ('holding' or 'serving'), from its heartbeat."""
     states = {}
-    for path in RunDir(run_dir).heartbeat_files("generator"):
-        try:
-            beat = read_heartbeat(path)
-        except DamagedRunDir:  # a generator's state is a hint for the starvation check, never worth a crash
-            continue
-        if beat is None:
-            continue
-        progress = beat.get("progress", "")
-        states[path.stem] = "holding" if progress.endswith("holding") else "serving"
+    for name, beat in read_heartbeats(run_dir, "generator").items():  # damaged ones skipped: only a hint
+        states[name] = "holding" if beat.get("progress", "").endswith("holding") else "serving"
     return states
 
 
