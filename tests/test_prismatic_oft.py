@@ -373,4 +373,7 @@ def test_predict_action_errors(loaded):
     with pytest.raises(ValueError, match="proprio must have proprio_dim=8 values, got 7"):
         loaded.predict_action(frames(), "open the drawer", proprio=PROPRIO[:7])
     with pytest.raises(ValueError, match="images must be a non-empty list"):
-        loaded.predict_action(frames()[0], "open the drawer")
+        loaded.predict_action([], "open the drawer")
+    # one frame alone is the primary camera, as a list of one
+    one = loaded.predict_action(frames()[0], "open the drawer", proprio=PROPRIO)
+    np.testing.assert_array_equal(one, loaded.predict_action(frames()[:1], "open the drawer", proprio=PROPRIO))

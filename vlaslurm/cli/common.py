@@ -62,8 +62,30 @@ def runs_root(args: argparse.Namespace) -> Path:
 
 
 def load(args: argparse.Namespace, extra: Sequence[str] = ()) -> LoadedSpec:
-    """The spec of `args` over the selected site profile."""
-    return load_spec(args.spec, [*args.overrides, *extra], site=site_name(args))
+    """The spec of `args` over the selected site profile, with its model checkpoint checked."""
+    loaded = load_spec(args.spec, [*args.overrides, *extra], site=site_name(args))
+    check_model_checkpoint(loaded)
+    return loaded
+
+
+def check_model_checkpoint(loaded: LoadedSpec) -> None:
+    """A released checkpoint in `model.path` that the runtime would refuse (an `unnorm_key` it lacks, a missing
+    head file, ...) is a spec error naming the field, before anything is planned or submitted.
+
+    Only when the folder is there: `plan` may describe another machine's files (`run` and `submit` require the
+    folder, `check_model_path`). It reads JSON files and file names, never weights.
+    """
+    path = loaded.spec.model.path
+    if path is None or not os.path.isdir(os.path.expanduser(path)):
+        return
+    from vlaslurm.envs import known_action_dim
+    from vlaslurm.models.checkpoint import CheckpointError, check_checkpoint  # torch, only with a checkpoint
+
+    try:
+        obs = loaded.spec.env.obs
+        check_checkpoint(loaded.spec.model, known_action_dim(loaded.spec.env), obs.state, obs.image_size > 0)
+    except CheckpointError as exc:
+        raise loaded.error(exc.field, exc.reason, suggestions=exc.suggestions) from None
 
 
 def resolve(args: argparse.Namespace, ref: Optional[str] = None) -> RunInfo:

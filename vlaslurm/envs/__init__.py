@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 from vlaslurm.envs.base import Observation, StepResult, VecEnv, tasks_of
 from vlaslurm.spec.env_types import EnvConfig
@@ -28,4 +28,16 @@ def make_env(cfg: EnvConfig, num_envs: int, rank: int, seed: int, group_size: in
     return ENVS.get(cfg.type)(cfg, num_envs=num_envs, rank=rank, seed=seed, group_size=group_size)
 
 
-__all__ = ["ENVS", "Observation", "StepResult", "VecEnv", "make_env", "tasks_of"]
+def known_action_dim(cfg: EnvConfig) -> Optional[int]:
+    """The action size `cfg` takes, where it is known without starting the simulator (what `plan` checks a
+    checkpoint against); None where only the simulator knows (RoboTwin's embodiment, ManiSkill's native actions)."""
+    if cfg.type == "toy":
+        return 2
+    if cfg.type == "libero":
+        return 7
+    if cfg.type == "maniskill" and getattr(cfg, "action_convention", None) == "vla":
+        return 7  # the adapter checks the simulator's own size against it when it starts
+    return None
+
+
+__all__ = ["ENVS", "Observation", "StepResult", "VecEnv", "known_action_dim", "make_env", "tasks_of"]

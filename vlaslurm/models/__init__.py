@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from vlaslurm.models.base import Policy, PolicyEval, PolicyInput, PolicyOutput
+from vlaslurm.models.checkpoint import CheckpointError, check_checkpoint, env_action_transform, load_pretrained
 from vlaslurm.spec.model_types import ModelConfig
 from vlaslurm.spec.registry import Registry
 
@@ -22,4 +23,15 @@ def build_policy(cfg: ModelConfig, action_dim: int, state_dim: int, image_size: 
     return build(cfg, action_dim=action_dim, state_dim=state_dim, image_size=image_size, num_cameras=num_cameras)
 
 
-__all__ = ["POLICIES", "Policy", "PolicyEval", "PolicyInput", "PolicyOutput", "build_policy"]
+__all__ = [
+    "POLICIES",
+    "CheckpointError",
+    "Policy",
+    "PolicyEval",
+    "PolicyInput",
+    "PolicyOutput",
+    "build_policy",
+    "check_checkpoint",
+    "env_action_transform",
+    "load_pretrained",
+]

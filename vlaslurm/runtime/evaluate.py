@@ -16,7 +16,7 @@ import traceback
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ from vlaslurm import rundir
 from vlaslurm.envs import make_env
 from vlaslurm.envs.base import Observation, VecEnv
 from vlaslurm.log import get_logger
-from vlaslurm.models import PolicyInput, build_policy
+from vlaslurm.models import PolicyInput, build_policy, env_action_transform
 from vlaslurm.rundir import Heartbeat, RunDir, write_atomic
 from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime.context import RankContext, make_context, meet, rank_from_env, run_spec
@@ -134,10 +134,18 @@ def check_every_task_played(spec, episodes: int) -> None:
 
 
 def run_episodes(
-    env: VecEnv, first_gid: int, num_envs: int, cfg: EvalConfig, seed: int, act: Act, outcomes: Outcomes
+    env: VecEnv,
+    first_gid: int,
+    num_envs: int,
+    cfg: EvalConfig,
+    seed: int,
+    act: Act,
+    outcomes: Outcomes,
+    to_env: Optional[Callable[[np.ndarray], np.ndarray]] = None,
 ) -> None:
     """Run the episodes of `env`'s instances (global ids from `first_gid`; `num_envs` over all ranks):
-    each instance in turn runs episodes gid, gid + n, ... below cfg.episodes, with partial resets."""
+    each instance in turn runs episodes gid, gid + n, ... below cfg.episodes, with partial resets.
+    `to_env` maps the policy's actions to the environment's (`env_action_transform`); traces keep the policy's."""
     n = min(num_envs, cfg.episodes)
     episode = {i: first_gid + i for i in range(env.num_envs) if first_gid + i < n}
     if not episode:
@@ -148,7 +156,7 @@ def run_episodes(
     trace: Dict[int, list] = {i: [] for i in ids}
     while ids:
         actions = act(obs, Decision([first_gid + i for i in ids], [episode[i] for i in ids], [steps[i] for i in ids]))
-        result = run_chunk(env, np.asarray(ids, dtype=np.int64), actions)
+        result = run_chunk(env, np.asarray(ids, dtype=np.int64), actions, to_env=to_env)
         going = []
         for row, i in enumerate(ids):
             trace[i].append(
@@ -188,9 +196,9 @@ def evaluate(
     policy = build_policy(spec.model, **env_dims(env, spec.env)).eval()
     outcomes = Outcomes(directory, keep_failed)
     try:
-        run_episodes(
-            env, 0, spec.env.num_envs, cfg, spec.rollout.seed, local_act(policy, cfg, spec.rollout.seed), outcomes
-        )
+        act = local_act(policy, cfg, spec.rollout.seed)
+        to_env = env_action_transform(spec.model)
+        run_episodes(env, 0, spec.env.num_envs, cfg, spec.rollout.seed, act, outcomes, to_env)
     finally:
         env.close()
     write_summary(directory, str(loaded.path), cfg, [outcomes.to_json()])
@@ -295,7 +303,8 @@ def simulate(ctx: RankContext, cfg: EvalRankConfig) -> int:
     outcomes = Outcomes(ctx.run_dir, cfg.eval.keep_failed, first_index=ctx.rank * cfg.eval.keep_failed)
     client = _GeneratorClient(ctx, outcomes, cfg.seed)
     try:
-        run_episodes(env, ctx.rank * local, cfg.env.num_envs, cfg.eval, cfg.seed, client.act, outcomes)
+        to_env = env_action_transform(cfg.model)  # the generator serves the policy's own actions
+        run_episodes(env, ctx.rank * local, cfg.env.num_envs, cfg.eval, cfg.seed, client.act, outcomes, to_env)
         client.done()
     finally:
         env.close()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import List, Literal, Optional, Union
 
 from vlaslurm.spec.registry import doc, register
 
@@ -13,7 +13,11 @@ class ModelConfig:
     """Fields shared by every policy type."""
 
     type: str = doc("", "Policy type; selects the dataclass below (e.g. openvla-oft, synthetic).")
-    path: Optional[str] = doc(None, "Checkpoint folder loaded with from_pretrained (None = random init).")
+    path: Optional[str] = doc(
+        None,
+        "Checkpoint folder (openvla types: a released OpenVLA / OpenVLA-OFT folder, or a LoRA adapter folder "
+        "over one); None = random init.",
+    )
     action_chunk: int = doc(1, "Actions predicted per forward pass (executed open-loop).")
     action_dim: int = doc(7, "Dimensions of one action (overridden by the simulator when it knows).")
     precision: Literal["fp32", "bf16", "fp16"] = doc("fp32", "Compute precision: fp32, bf16 or fp16.")
@@ -33,9 +37,44 @@ class BackboneConfig:
     num_keypoints: int = doc(16, "Spatial-softmax keypoints pooled from the vision stem.")
 
 
+@dataclass
+class LoraSpec:
+    """LoRA adapters through peft (only the adapters and heads train); the defaults are openvla's finetune.py."""
+
+    rank: int = doc(32, "r, the adapters' inner size (openvla and RLinf use 32).")
+    alpha: float = doc(16.0, "The update is scaled by alpha / rank (openvla: min(rank, 16); RLinf: alpha = rank).")
+    dropout: float = doc(0.0, "Dropout on the adapters' input while training, in [0, 1).")
+    target_modules: Union[str, List[str]] = doc(
+        "all-linear",
+        "'all-linear' (every linear layer of the language model but lm_head) or a list of module names "
+        "such as [q_proj, v_proj].",
+    )
+
+
+@dataclass
+class VLAConfig(ModelConfig):
+    """Fields of the OpenVLA-family types that describe a released checkpoint in `path` and how to use it."""
+
+    base_path: Optional[str] = doc(
+        None,
+        "Release folder under a LoRA adapter given in path (default: the adapter_config.json's "
+        "base_model_name_or_path).",
+    )
+    unnorm_key: Optional[str] = doc(
+        None, "Dataset statistics entry used to de-normalise actions; required when the checkpoint holds several."
+    )
+    center_crop: bool = doc(False, "The release's centre crop (0.9 of the area) before resizing, as in OFT LIBERO.")
+    gripper: Literal["none", "libero"] = doc(
+        "none", "Post-processing between policy and environment: none, or libero (the release's LIBERO gripper)."
+    )
+    lora: Optional[LoraSpec] = field(
+        default=None, metadata={"doc": "LoRA adapters (rank, alpha, dropout, target_modules); None trains in full."}
+    )
+
+
 @register("model", "openvla")
 @dataclass
-class OpenVLAConfig(ModelConfig):
+class OpenVLAConfig(VLAConfig):
     """OpenVLA-style policy: discrete action tokens (256 bins) decoded autoregressively."""
 
     backbone: BackboneConfig = field(default_factory=BackboneConfig, metadata={"doc": "Backbone size."})
@@ -48,7 +87,7 @@ class OpenVLAConfig(ModelConfig):
 
 @register("model", "openvla-oft")
 @dataclass
-class OpenVLAOFTConfig(ModelConfig):
+class OpenVLAOFTConfig(VLAConfig):
     """OpenVLA-OFT-style policy: a chunk of continuous actions decoded in parallel, Gaussian head."""
 
     backbone: BackboneConfig = field(default_factory=BackboneConfig, metadata={"doc": "Backbone size."})
@@ -58,6 +97,10 @@ class OpenVLAOFTConfig(ModelConfig):
     init_std: float = doc(0.5, "Initial action standard deviation.")
     final_std: float = doc(0.1, "Final std when std is 'scheduled' (linear over the run).")
     init_seed: int = doc(0, "Seed of the random initialisation when path is None (equal on every rank).")
+    head: Literal["l1", "discrete"] = doc(
+        "l1", "Action head: l1 (the release's L1-regression MLP) or discrete (the LLM's action tokens)."
+    )
+    temperature: float = doc(1.0, "Sampling temperature of the discrete head's action tokens during rollouts.")
 
 
 @dataclass

@@ -8,6 +8,7 @@ import re
 from typing import TYPE_CHECKING, Iterable, cast
 
 from vlaslurm.spec.errors import close_names
+from vlaslurm.spec.model_types import VLAConfig
 from vlaslurm.spec.schema import ROLES
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ def validate(loaded: LoadedSpec) -> None:
         _check_counts,
         _check_maxima,
         _check_env,
+        _check_model,
         _check_algo,
         _check_resources,
         _check_mode_layout,
@@ -137,6 +139,52 @@ def _check_env(loaded: LoadedSpec) -> None:
         for key in ("slow_fraction", "success_prob"):
             if not 0.0 <= getattr(env, key) <= 1.0:
                 raise loaded.error(f"env.{key}", f"must lie in [0, 1], got {getattr(env, key)}")
+
+
+def _check_model(loaded: LoadedSpec) -> None:
+    model = loaded.spec.model
+    temperature = getattr(model, "temperature", None)  # openvla and openvla-oft (discrete head) sample with it
+    if temperature is not None and temperature <= 0:
+        raise loaded.error("model.temperature", f"must be greater than 0, got {temperature}")
+    if not isinstance(model, VLAConfig):
+        return
+    if model.base_path is not None and model.path is None:
+        raise loaded.error(
+            "model.base_path",
+            "names the release under a LoRA adapter, so it needs model.path (the adapter folder); "
+            "to load a release itself, set model.path to it instead",
+        )
+    for key in ("path", "base_path", "unnorm_key"):
+        if getattr(model, key) == "":
+            raise loaded.error(f"model.{key}", "must not be empty; remove it to use the default")
+    if model.lora is not None:
+        _check_lora(loaded, model)
+
+
+def _check_lora(loaded: LoadedSpec, model: VLAConfig) -> None:
+    # The same rules as vlaslurm.models.prismatic.lora.LoraSettings, checked here so plan reports them with a line.
+    lora = model.lora
+    assert lora is not None
+    if lora.rank < 1:
+        raise loaded.error("model.lora.rank", f"must be at least 1, got {lora.rank}")
+    if lora.alpha <= 0:
+        raise loaded.error("model.lora.alpha", f"must be greater than 0, got {lora.alpha}")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise loaded.error("model.lora.dropout", f"must lie in [0, 1), got {lora.dropout}")
+    targets = lora.target_modules
+    if isinstance(targets, str):
+        if targets != "all-linear":
+            raise loaded.error(
+                "model.lora.target_modules",
+                f"is {targets!r}; give 'all-linear' or a list of module names such as [q_proj, v_proj]",
+                suggestions=close_names(targets, ["all-linear"]),
+            )
+        return
+    if not targets:
+        raise loaded.error("model.lora.target_modules", "is empty; give 'all-linear' or at least one module name")
+    for index, name in enumerate(targets):
+        if not name.strip():
+            raise loaded.error(f"model.lora.target_modules[{index}]", "must be a module name, got an empty string")
 
 
 def _check_pair(loaded: LoadedSpec, key: str, low_max: float = float("inf")) -> None:

@@ -691,8 +691,31 @@ class ReleasedOpenVLA:
     def action_dim(self, unnorm_key: Optional[str] = None) -> int:
         return self.norm_stats.action_dim(unnorm_key)
 
-    def predict_action(self, image: np.ndarray, instruction: str, unnorm_key: Optional[str] = None) -> np.ndarray:
-        """float64 [action_dim] un-normalised actions for `unnorm_key`'s dataset (None: the only one)."""
+    def predict_action(
+        self,
+        image: Union[np.ndarray, Sequence[np.ndarray]],
+        instruction: str,
+        unnorm_key: Optional[str] = None,
+        proprio: Optional[np.ndarray] = None,
+    ) -> np.ndarray:
+        """float64 [action_dim] un-normalised actions for `unnorm_key`'s dataset (None: the only one), greedy.
+
+        `image`: one RGB uint8 frame [H, W, 3], or a list holding just that frame (the call OFT takes). OpenVLA
+        reads neither a wrist camera nor proprio: passing them is an error rather than silently ignored.
+        """
+        if proprio is not None:
+            raise ValueError(
+                "OpenVLA takes no proprio (the release conditions on one image and the instruction only); "
+                "pass proprio=None, or use an OpenVLA-OFT checkpoint, whose proprio projector reads it"
+            )
+        if not isinstance(image, np.ndarray):
+            frames = list(image)
+            if len(frames) != 1:
+                raise ValueError(
+                    f"OpenVLA reads one camera frame, got {len(frames)}; pass the primary camera's image only "
+                    "(OpenVLA-OFT checkpoints take the wrist camera as well)"
+                )
+            image = frames[0]
         stats = self.norm_stats.select(unnorm_key).action  # raises UnnormKeyError before any compute
         return self.model.predict_action(self.pixel_values(image), self.input_ids(instruction), stats, self.bins)
 
