@@ -76,6 +76,7 @@ def rollout_segments(
                 bool(res.terminated[i]),
                 bool(res.truncated[i]),
                 bool(res.success[i]),
+                None if out.token_logprob is None else out.token_logprob[i].numpy(),
             )
             if res.terminated[i] or res.truncated[i]:
                 finished.append(int(i))

@@ -37,7 +37,7 @@ def one_update(kind: str, level: str, batch, dp: DataParallel) -> dict:
     return {k: v.detach().clone() for k, v in policy.state_dict().items()}
 
 
-CASES = [("ppo", "action"), ("ppo", "chunk"), ("grpo", "action")]
+CASES = [("ppo", "action"), ("ppo", "chunk"), ("ppo", "token"), ("grpo", "action"), ("grpo", "token")]
 
 
 def _rank(rank: int, tmp: str) -> None:

@@ -55,11 +55,14 @@ def collate(segments: Sequence) -> TrainBatch:
         return out
 
     first = segments[0]
+    # per-token behaviour log-probs only if every segment has them (a policy either gives them or not)
+    tokens = all(getattr(s, "token_logprob", None) is not None for s in segments)
     arrays = {
         "images": pad("images", first.images.shape[1:], np.uint8, 1) if first.images is not None else None,
         "state": pad("state", first.state.shape[1:], np.float32, 1) if first.state is not None else None,
         "actions": pad("actions", (C, A), np.float32),
         "logprob": pad("logprob", (C,), np.float32),
+        "token_logprob": pad("token_logprob", (C, A), np.float32) if tokens else None,
         "value": pad("value", (), np.float32),
         "rewards": pad("rewards", (C,), np.float32),
         "mask": pad("mask", (C,), bool),

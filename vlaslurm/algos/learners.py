@@ -2,7 +2,8 @@
 
 Data parallel: every trainer rank holds the whole batch, takes its shard of each minibatch and
 scales its loss so that the summed gradients equal one rank's update on the whole batch. A
-minibatch's unit is a decision step; `algo.logprob_level` sets the ratio per chunk or per action.
+minibatch's unit is a decision step; `algo.logprob_level` sets the ratio per chunk, action or token (action
+dimension).
 Details: docs/algorithms.md
 """
 
@@ -57,14 +58,34 @@ class DataParallel:
             dist.all_reduce(p.grad, group=self.group)
 
 
+def behaviour_key(level: str) -> str:
+    """The batch tensor holding the behaviour log-probs a ratio at `algo.logprob_level` compares with."""
+    return "token_logprob" if level == "token" else "logprob"
+
+
+def token_logprob(logprob: Optional[Tensor]) -> Tensor:
+    if logprob is None:
+        raise ValueError(
+            "algo.logprob_level 'token' needs per-token log-probs, which this policy does not give; "
+            "use logprob_level: action"
+        )
+    return logprob
+
+
 @torch.no_grad()
-def evaluate_all(policy: nn.Module, batch: TrainBatch, values: bool, chunk: int = 512) -> Tuple[Tensor, Tensor]:
+def evaluate_all(
+    policy: nn.Module, batch: TrainBatch, values: bool, chunk: int = 512, tokens: bool = False
+) -> Tuple[Tensor, Tensor]:
     """Under the current parameters: values of all T+1 observations ([N, T+1], zeros unless `values`)
-    and the proximal log-probs of the stored actions ([N, T, C]), the trust region's centre."""
+    and the proximal log-probs of the stored actions ([N, T, C], or [N, T, C, A] per token with `tokens`),
+    the trust region's centre."""
     t = batch.tensors
     n, T = t["step_valid"].shape
     out_values = torch.zeros(n, T + 1, device=t["actions"].device)
-    prox = torch.zeros_like(t["logprob"])
+    key = behaviour_key("token" if tokens else "action")
+    if key not in t:
+        token_logprob(None)  # the segments carry no per-token log-probs: raises, saying what to change
+    prox = torch.zeros_like(t[key])
     last = T + 1 if values else T
     obs_valid = torch.arange(last, device=out_values.device)[None] <= t["length"][:, None] - (0 if values else 1)
     rows, cols = obs_valid.nonzero(as_tuple=True)
@@ -73,7 +94,8 @@ def evaluate_all(policy: nn.Module, batch: TrainBatch, values: bool, chunk: int 
         acting = c < t["length"][r]
         out = cast("Policy", policy).evaluate(batch.policy_input(r, c), t["actions"][r, c.clamp(max=T - 1)])
         out_values[r, c] = out.value.float()
-        prox[r[acting], c[acting]] = out.logprob.float()[acting]
+        logprob = token_logprob(out.token_logprob) if tokens else out.logprob
+        prox[r[acting], c[acting]] = logprob.float()[acting]
     return out_values, prox
 
 
@@ -99,27 +121,33 @@ class PolicyStep:
     ) -> None:
         """`adv` [N, T] per decision step; `extra(values, rows, cols)` returns a summed (not averaged) loss."""
         t = batch.tensors
-        chunk_level = self.cfg.logprob_level == "chunk"
+        level = self.cfg.logprob_level
         # Global counts of the whole minibatch, so that the shards' losses add up to the minibatch mean.
         n_steps = len(rows)
         n_actions = int(t["mask"][rows, cols].sum())
-        n_ratio = n_steps if chunk_level else n_actions
+        per_action = t["actions"].shape[-1] if level == "token" else 1
+        n_ratio = n_steps if level == "chunk" else n_actions * per_action
         rows, cols = self.dp.shard(rows), self.dp.shard(cols)
         out = cast("Policy", self.policy).evaluate(batch.policy_input(rows, cols), t["actions"][rows, cols])
         mask = t["mask"][rows, cols]
         a = adv[rows, cols]
-        behaviour, proximal = t["logprob"][rows, cols], prox[rows, cols]
-        if chunk_level:
+        behaviour, proximal = t[behaviour_key(level)][rows, cols], prox[rows, cols]
+        if level == "chunk":
 
-            def level(x: Tensor) -> Tensor:
+            def chunk_sum(x: Tensor) -> Tensor:
                 return torch.where(mask, x, torch.zeros_like(x)).sum(-1)
 
-            new, old, proximal, lmask = level(out.logprob), level(behaviour), level(proximal), None
+            new, old, proximal, lmask = chunk_sum(out.logprob), chunk_sum(behaviour), chunk_sum(proximal), None
             local = len(rows)
-        else:  # action and token level: one ratio per executed action
+        elif level == "action":  # one ratio per executed action
             new, old, lmask = out.logprob, behaviour, mask
             a = expand_chunk(a, mask.shape[-1])
             local = int(mask.sum())
+        else:  # token: one ratio per action dimension of each executed action
+            new, old = token_logprob(out.token_logprob), behaviour
+            lmask = mask[..., None].expand_as(new)
+            a = expand_chunk(a, mask.shape[-1])[..., None].expand_as(new)
+            local = int(lmask.sum())
         pg, pg_stats = policy_loss(
             new,
             proximal,
@@ -144,6 +172,15 @@ class PolicyStep:
         self.opt.step()
         for key, value in {**pg_stats, "losses/entropy": entropy.detach()}.items():
             stats.setdefault(key, []).append(float(value))
+
+
+def ratios_per_step(t: Dict[str, Tensor], level: str) -> Tensor:
+    """[N, T] how many ratios each decision step contributes at `level`: 1, its executed actions, or those
+    times the action's dimensions (tokens)."""
+    if level == "chunk":
+        return torch.ones_like(t["mask"][..., 0], dtype=torch.float32)
+    executed = t["mask"].sum(-1).float()
+    return executed * t["actions"].shape[-1] if level == "token" else executed
 
 
 def _minibatches(n: int, count: int, gen: torch.Generator) -> List[Tensor]:
@@ -186,7 +223,7 @@ class PPOLearner:
 
     def update(self, batch: TrainBatch, version: int) -> Dict[str, float]:
         t = batch.tensors
-        values, prox = evaluate_all(self.policy, batch, values=True)
+        values, prox = evaluate_all(self.policy, batch, values=True, tokens=self.cfg.logprob_level == "token")
         adv, ret = self.advantages(batch, values)
         valid = t["step_valid"]
         adv = (adv - adv[valid].mean()) / (adv[valid].std() + 1e-8)
@@ -259,7 +296,7 @@ class GRPOLearner:
         adv[rows, cols] = ep_adv[e, k].to(adv.dtype)
         # Each trajectory's loss is a mean over its valid ratios: weight 1 / (its count), and every kept
         # episode weighs the same (the mean over ratios in the minibatch divides by their total count).
-        per_step = t["mask"].sum(-1).to(adv.dtype) if self.cfg.logprob_level != "chunk" else torch.ones_like(adv)
+        per_step = ratios_per_step(t, self.cfg.logprob_level).to(adv.dtype)
         counts = torch.zeros(E, dtype=adv.dtype, device=adv.device).index_add_(
             0, lay.episode[rows], torch.where(used[rows, cols], per_step[rows, cols], torch.zeros_like(adv[rows, cols]))
         )
@@ -279,10 +316,11 @@ class GRPOLearner:
         adv, used, info = self.advantages(batch)
         if not used.any():
             return info
+        tokens = self.cfg.logprob_level == "token"
         prox = (
-            evaluate_all(self.policy, batch, values=False)[1]
+            evaluate_all(self.policy, batch, values=False, tokens=tokens)[1]
             if self.cfg.offpolicy_correction == "decoupled"
-            else batch.tensors["logprob"]
+            else batch.tensors[behaviour_key(self.cfg.logprob_level)]
         )
         rows, cols = used.nonzero(as_tuple=True)
         gen = torch.Generator().manual_seed(self.seed * 100003 + version)

@@ -23,9 +23,16 @@ class PolicyInput:
 class PolicyOutput:
     """Sampled actions with what the trainer needs to learn from them."""
 
-    actions: torch.Tensor  # float32 [B, action_chunk, action_dim] (continuous env actions)
+    # float32 [B, action_chunk, action_dim]: in the policy's action space, what `evaluate` takes back (a
+    # checkpoint's normalised actions; vlaslurm.models.env_action_transform maps them to the environment's)
+    actions: torch.Tensor
     logprob: torch.Tensor  # float32 [B, action_chunk]: behaviour log-prob of each action of the chunk
     value: torch.Tensor  # float32 [B]: value estimate of the observation
+    # float32 [B, action_chunk, action_dim]: log-prob of each action token (one per action dimension), where the
+    # policy's distribution factorises that way; None otherwise
+    token_logprob: Optional[torch.Tensor] = None
+    # float32 [B, action_chunk]: a value per action slot of the chunk, for value_level: action; None if not given
+    slot_value: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -35,6 +42,8 @@ class PolicyEval:
     logprob: torch.Tensor  # float32 [B, action_chunk]
     entropy: torch.Tensor  # float32 [B, action_chunk]
     value: torch.Tensor  # float32 [B]
+    token_logprob: Optional[torch.Tensor] = None  # float32 [B, action_chunk, action_dim], as in PolicyOutput
+    slot_value: Optional[torch.Tensor] = None  # float32 [B, action_chunk], as in PolicyOutput
 
 
 class Policy(Protocol):

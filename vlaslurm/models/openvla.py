@@ -150,17 +150,17 @@ class OpenVLAPolicy(PreTrainedModel):
             hidden = out[:, -1].float()
         shape = (-1, self.action_chunk, self.action_dim)
         actions = self.bin_centers()[torch.stack(bins, 1)].view(shape)
-        logprob = torch.stack(logprobs, 1).view(shape).sum(-1)
-        return PolicyOutput(actions=actions, logprob=logprob, value=value)
+        per_token = torch.stack(logprobs, 1).view(shape)
+        return PolicyOutput(actions=actions, logprob=per_token.sum(-1), value=value, token_logprob=per_token)
 
     def evaluate(self, inp: PolicyInput, actions: torch.Tensor) -> PolicyEval:
         bins = self.actions_to_bins(actions).reshape(len(inp.instructions), -1)
         logits, value = self(inp, bins)
         dist = torch.distributions.Categorical(logits=logits)
         shape = (-1, self.action_chunk, self.action_dim)
-        logprob = dist.log_prob(bins).view(shape).sum(-1)
+        per_token = dist.log_prob(bins).view(shape)
         entropy = dist.entropy().view(shape).sum(-1)
-        return PolicyEval(logprob=logprob, entropy=entropy, value=value)
+        return PolicyEval(logprob=per_token.sum(-1), entropy=entropy, value=value, token_logprob=per_token)
 
 
 def _uniforms(batch: int, count: int, seeds: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
@@ -186,11 +186,15 @@ def _check_bins(config: OpenVLAModelConfig, vocab_size: int) -> None:
         raise ValueError(f"model.temperature must be > 0, got {config.action_temperature}")
 
 
-def build(cfg: OpenVLAConfig, action_dim: int, state_dim: int, image_size: int, num_cameras: int) -> OpenVLAPolicy:
-    """Registry entry point: load `cfg.path` with from_pretrained, else a seeded random init."""
-    if cfg.path:
-        # A real OpenVLA checkpoint (Prismatic config, model_type 'openvla') would be converted here:
-        # its Llama-2 weights into encoder.lm/lm_head, its vision backbone + projector into encoder.vision.
+def build(cfg: OpenVLAConfig, action_dim: int, state_dim: int, image_size: int, num_cameras: int) -> nn.Module:
+    """Registry entry point: a released checkpoint at `cfg.path` (vlaslurm/models/vla/), a look-alike saved with
+    save_pretrained, or a seeded random init."""
+    from vlaslurm.models.checkpoint import is_released_checkpoint
+    from vlaslurm.models.vla.build import build_released  # peft and safetensors: lazily
+
+    if cfg.path and is_released_checkpoint(cfg.path):
+        return build_released(cfg, action_dim, state_dim, image_size, num_cameras)
+    if cfg.path:  # a folder of this project's tiny look-alike, written by save_pretrained
         model = OpenVLAPolicy.from_pretrained(check_checkpoint_dir(cfg.path))
         check_loaded(model.config, cfg, action_dim, state_dim, num_cameras)
         model.config.precision = cfg.precision

@@ -116,16 +116,17 @@ class OpenVLAOFTPolicy(PreTrainedModel):
         mean, value = self._heads(self(inp))
         log_std = self.action_log_std()
         actions = mean if deterministic else mean + log_std.exp() * _noise(mean, inp.seeds)
-        logprob = gaussian_logprob(actions, mean, log_std).sum(-1)
-        return PolicyOutput(actions=actions, logprob=logprob, value=value)
+        per_dim = gaussian_logprob(actions, mean, log_std)
+        return PolicyOutput(actions=actions, logprob=per_dim.sum(-1), value=value, token_logprob=per_dim)
 
     def evaluate(self, inp: PolicyInput, actions: torch.Tensor) -> PolicyEval:
         mean, value = self._heads(self(inp))
         log_std = self.action_log_std()
         actions = actions.to(mean.device, mean.dtype)
-        logprob = gaussian_logprob(actions, mean, log_std).sum(-1)
+        per_dim = gaussian_logprob(actions, mean, log_std)
+        logprob = per_dim.sum(-1)
         entropy = (0.5 + 0.5 * math.log(2 * math.pi) + log_std).sum().expand_as(logprob)
-        return PolicyEval(logprob=logprob, entropy=entropy, value=value)
+        return PolicyEval(logprob=logprob, entropy=entropy, value=value, token_logprob=per_dim)
 
 
 def _noise(like: torch.Tensor, seeds: Optional[torch.Tensor]) -> torch.Tensor:
@@ -144,12 +145,15 @@ def _check_std(mode: str, init_std: float, final_std: float) -> None:
         raise ValueError(f"model.init_std and model.final_std must be > 0, got {init_std} and {final_std}")
 
 
-def build(
-    cfg: OpenVLAOFTConfig, action_dim: int, state_dim: int, image_size: int, num_cameras: int
-) -> OpenVLAOFTPolicy:
-    """Registry entry point: load `cfg.path` with from_pretrained, else a seeded random init."""
-    if cfg.path:
-        # A real OpenVLA-OFT checkpoint (Prismatic config, not ours) would be converted here.
+def build(cfg: OpenVLAOFTConfig, action_dim: int, state_dim: int, image_size: int, num_cameras: int) -> nn.Module:
+    """Registry entry point: a released checkpoint at `cfg.path` (vlaslurm/models/vla/), a look-alike saved with
+    save_pretrained, or a seeded random init."""
+    from vlaslurm.models.checkpoint import is_released_checkpoint
+    from vlaslurm.models.vla.build import build_released  # peft and safetensors: lazily
+
+    if cfg.path and is_released_checkpoint(cfg.path):
+        return build_released(cfg, action_dim, state_dim, image_size, num_cameras)
+    if cfg.path:  # a folder of this project's tiny look-alike, written by save_pretrained
         model = OpenVLAOFTPolicy.from_pretrained(check_checkpoint_dir(cfg.path))
         check_loaded(model.config, cfg, action_dim, state_dim, num_cameras)
         model.config.precision = cfg.precision

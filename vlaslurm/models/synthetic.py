@@ -43,7 +43,8 @@ class SyntheticPolicy(nn.Module):
                 if batch
                 else torch.zeros(0, *shape)
             )
-        return PolicyOutput(actions, torch.zeros(batch, self.action_chunk), torch.zeros(batch))
+        tokens = torch.zeros(batch, self.action_chunk, self.action_dim)
+        return PolicyOutput(actions, torch.zeros(batch, self.action_chunk), torch.zeros(batch), token_logprob=tokens)
 
     def evaluate(self, inp: PolicyInput, actions: torch.Tensor) -> PolicyEval:
         batch = actions.shape[0]
@@ -53,6 +54,7 @@ class SyntheticPolicy(nn.Module):
             torch.zeros(batch, self.action_chunk) + zero,
             torch.zeros(batch, self.action_chunk),
             torch.zeros(batch) + zero,
+            token_logprob=torch.zeros(batch, self.action_chunk, self.action_dim) + zero,
         )
 
 

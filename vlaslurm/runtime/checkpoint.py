@@ -233,9 +233,16 @@ def required_files(optimizer: Optional[torch.optim.Optimizer]) -> Sequence[str]:
     return REQUIRED + ((layout.CKPT_OPTIM,) if optimizer is not None else ())
 
 
-def _state_dict(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
+def _trained_state(policy: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """What a checkpoint saves of the policy: a policy whose frozen part comes from `model.path` (LoRA over a
+    release) says what trains (`trained_state_dict`); any other policy saves its whole state dict."""
+    trained = getattr(policy, "trained_state_dict", None)
+    return _state_dict(policy, trained() if trained is not None else None)
+
+
+def _state_dict(module: torch.nn.Module, state: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
     out, seen = {}, set()
-    for name, tensor in module.state_dict().items():
+    for name, tensor in (module.state_dict() if state is None else state).items():
         t = tensor.detach().to("cpu").contiguous()
         ptr = t.untyped_storage().data_ptr()
         out[name] = t.clone() if ptr in seen and t.numel() else t  # safetensors refuses shared storage
@@ -276,7 +283,7 @@ def save(
     tmp.mkdir(mode=0o700)
     state.python_rng = _jsonable(random.getstate())
     state.numpy_rng = _numpy_state()
-    save_file(_state_dict(policy), str(tmp / layout.CKPT_MODEL))
+    save_file(_trained_state(policy), str(tmp / layout.CKPT_MODEL))
     save_file({k: v.contiguous() for k, v in _rng_tensors().items()}, str(tmp / layout.CKPT_RNG))
     if optimizer is not None:
         torch.save(optimizer.state_dict(), tmp / layout.CKPT_OPTIM)
@@ -331,7 +338,7 @@ def load(
         _require(path, read_manifest(path), required_files(optimizer))
     state = TrainerState(**json.loads((path / layout.CKPT_STATE).read_text()))
     weights = load_file(str(path / layout.CKPT_MODEL), device=str(device))
-    policy.load_state_dict(weights)
+    _load_trained(policy, weights, path / layout.CKPT_MODEL)
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(path / layout.CKPT_OPTIM, map_location=device, weights_only=True))
     rng = load_file(str(path / layout.CKPT_RNG))
@@ -346,6 +353,21 @@ def load(
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     log.info("resumed from checkpoint %s (policy version %d, %d env steps)", path, state.version, state.received_steps)
     return state
+
+
+def _load_trained(policy: torch.nn.Module, weights: Dict[str, torch.Tensor], file: Path) -> None:
+    """Strictly the tensors `_trained_state` saved: all of them, or exactly the trained ones."""
+    trained = getattr(policy, "trained_state_dict", None)
+    if trained is None:
+        policy.load_state_dict(weights)
+        return
+    expected = set(trained())
+    if set(weights) != expected:
+        missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
+        raise CheckpointError(
+            file, f"holds other tensors than the policy trains (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    policy.load_state_dict(weights, strict=False)
 
 
 def ledger_rows(path: Path) -> List[dict]:

@@ -63,11 +63,16 @@ def run_chunk(
     actions: np.ndarray,
     cancel: Optional[threading.Event] = None,
     on_step: Optional[Callable[[], None]] = None,
+    to_env: Optional[Callable[[np.ndarray], np.ndarray]] = None,
 ) -> ChunkResult:
     """Execute `actions` [n, C, A] open-loop; an instance stops at the end of its episode. Once `cancel` is
     set the chunk ends after the step under way (the mask says which steps ran; at least one always does).
-    `on_step` is called as each step starts (the simulator times its steps from it)."""
+    `on_step` is called as each step starts (the simulator times its steps from it). `to_env` maps the
+    policy's actions to the environment's (`vlaslurm.models.env_action_transform`: de-normalisation, gripper
+    post-processing) right before stepping; the caller keeps the policy's own actions for its records."""
     n, chunk = actions.shape[:2]
+    if to_env is not None:
+        actions = to_env(actions)
     rewards = np.zeros((n, chunk), np.float32)
     mask = np.zeros((n, chunk), bool)
     terminated, truncated, success = np.zeros(n, bool), np.zeros(n, bool), np.zeros(n, bool)
@@ -139,15 +144,17 @@ class EnvTrack:
         terminated: bool,
         truncated: bool,
         success: bool,
+        token_logprob: Optional[np.ndarray] = None,
     ) -> List[Segment]:
-        """Append one decision step; return the segments it completed (0, 1 or 2)."""
+        """Append one decision step; return the segments it completed (0, 1 or 2). `token_logprob` [C, A]: the
+        behaviour log-prob of each action token, from policies that give them (logprob_level: token)."""
         done: List[Segment] = []
         if self.rows and version != self.version:
             done.append(self.cut())  # never mix behaviour versions in one segment
         if not self.rows:
             self.version = version
             self.t_start = self.clock()
-        self.rows.append((self.obs, actions, logprob, value, rewards, mask, self.step, version))
+        self.rows.append((self.obs, actions, logprob, value, rewards, mask, self.step, version, token_logprob))
         self.step += int(mask.sum())
         self.obs = after
         if terminated or truncated:
@@ -183,6 +190,11 @@ class EnvTrack:
             mask=np.stack([r[5] for r in self.rows]),
             step_ids=np.asarray([r[6] for r in self.rows], np.int64),
             versions=np.asarray([r[7] for r in self.rows], np.int64),
+            token_logprob=(
+                np.stack([r[8] for r in self.rows]).astype(np.float32)
+                if all(r[8] is not None for r in self.rows)
+                else None
+            ),
             terminated=terminated,
             truncated=truncated,
             success=success,

@@ -85,13 +85,17 @@ class ActReply:
     logprob: np.ndarray  # float32 [n, C]
     value: np.ndarray  # float32 [n]
     gen_rank: int = 0
+    token_logprob: Optional[np.ndarray] = None  # float32 [n, C, A], from policies whose actions factorise by token
 
 
 def encode_act(rep: ActReply) -> Message:
+    arrays = {"actions": rep.actions, "logprob": rep.logprob, "value": rep.value}
+    if rep.token_logprob is not None:
+        arrays["token_logprob"] = rep.token_logprob
     return Message(
         ACT,
         {"env_ids": rep.env_ids, "sub_group": rep.sub_group, "version": rep.version, "gen_rank": rep.gen_rank},
-        {"actions": rep.actions, "logprob": rep.logprob, "value": rep.value},
+        arrays,
     )
 
 
@@ -105,6 +109,7 @@ def decode_act(msg: Message) -> ActReply:
         msg.arrays["logprob"],
         msg.arrays["value"],
         int(m["gen_rank"]),
+        msg.arrays.get("token_logprob"),
     )
 
 
@@ -146,6 +151,7 @@ class Segment:
     sim_rank: int = 0
     incarnation: int = 0  # which process of its simulator worker (0; k after the k-th restart)
     meta: Dict[str, float] = field(default_factory=dict)
+    token_logprob: Optional[np.ndarray] = None  # float32 [T, C, A], when every reply of the segment had one
 
     @property
     def steps(self) -> int:
@@ -161,7 +167,18 @@ class Segment:
         return self.terminated or self.truncated
 
 
-_SEG_ARRAYS = ("images", "state", "actions", "logprob", "value", "rewards", "mask", "step_ids", "versions")
+_SEG_ARRAYS = (
+    "images",
+    "state",
+    "actions",
+    "logprob",
+    "value",
+    "rewards",
+    "mask",
+    "step_ids",
+    "versions",
+    "token_logprob",
+)
 _SEG_META = (
     "traj_id",
     "env_id",

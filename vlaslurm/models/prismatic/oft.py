@@ -283,8 +283,10 @@ def save_oft_heads(
     action_head: Optional[L1RegressionActionHead] = None,
     proprio_projector: Optional[ProprioProjector] = None,
     step: Union[int, str] = "latest",
+    keep_dtype: bool = False,
 ) -> List[Path]:
-    """Write head files as the release stores them: `module.` keys, the action head in bf16, the projector fp32."""
+    """Write head files as the release stores them: `module.` keys, the action head in bf16, the projector fp32
+    (with `keep_dtype`, each in its own dtype: a trained fp32 head is not rounded to bf16 on the way out)."""
     folder = Path(folder)
     written = []
     for component, module, dtype in (
@@ -293,7 +295,10 @@ def save_oft_heads(
     ):
         if module is None:
             continue
-        state = {DDP_PREFIX + key: t.detach().to("cpu", dtype).clone() for key, t in module.state_dict().items()}
+        state = {
+            DDP_PREFIX + key: t.detach().to("cpu", t.dtype if keep_dtype else dtype).clone()
+            for key, t in module.state_dict().items()
+        }
         path = folder / head_file_name(component, step)
         torch.save(state, str(path))
         written.append(path)
@@ -507,7 +512,7 @@ class ReleasedOpenVLAOFT:
 
     def predict_action(
         self,
-        images: Sequence[np.ndarray],
+        images: Union[np.ndarray, Sequence[np.ndarray]],
         instruction: str,
         unnorm_key: Optional[str] = None,
         proprio: Optional[np.ndarray] = None,
@@ -519,7 +524,10 @@ class ReleasedOpenVLAOFT:
 
         head="l1": the L1 regression head. head="discrete": the LLM's action tokens at the action slots, argmax
         (temperature None) or sampled at `temperature` (see `decode_discrete` for the ids and log-probs).
+        `images`: the frames, primary camera first (LIBERO: primary, then wrist), or one frame [H, W, 3] alone.
         """
+        if isinstance(images, np.ndarray):
+            images = [images]
         if head not in HEADS:
             raise ValueError(f"head must be one of {', '.join(HEADS)}; got {head!r}")
         if head == "discrete":

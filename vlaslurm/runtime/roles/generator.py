@@ -109,17 +109,24 @@ def to_policy_input(requests: List[msgs.ObsRequest], device: torch.device) -> Po
 
 
 def replies(
-    batch: List[Pending], version: int, rank: int, actions: np.ndarray, logprob: np.ndarray, value: np.ndarray
+    batch: List[Pending],
+    version: int,
+    rank: int,
+    actions: np.ndarray,
+    logprob: np.ndarray,
+    value: np.ndarray,
+    token_logprob: Optional[np.ndarray] = None,
 ) -> Iterator[Tuple[Pending, msgs.ActReply]]:
     """Each request of `batch` with its reply: its rows of one forward's outputs, in the batch's order."""
     start = 0
     for p in batch:
         n = len(p.request)
         rows = slice(start, start + n)
+        tokens = None if token_logprob is None else token_logprob[rows]
         yield (
             p,
             msgs.ActReply(
-                p.request.env_ids, p.request.sub_group, version, actions[rows], logprob[rows], value[rows], rank
+                p.request.env_ids, p.request.sub_group, version, actions[rows], logprob[rows], value[rows], rank, tokens
             ),
         )
         start += n
@@ -234,6 +241,7 @@ class Generator:
         with torch.no_grad():
             out = self.policy.act(to_policy_input(requests, self.ctx.device))
         actions, logprob, value = (x.float().cpu().numpy() for x in (out.actions, out.logprob, out.value))
+        tokens = None if out.token_logprob is None else out.token_logprob.float().cpu().numpy()
         t1 = self.ctx.now()
         items = [[e, ep, st] for r in requests for e, ep, st in zip(r.env_ids, r.episodes, r.steps)]
         self.events.add(
@@ -246,7 +254,7 @@ class Generator:
             g=sorted({r.sub_group for r in requests}),
             items=items,
         )
-        for p, reply in replies(batch, self.version, self.ctx.rank, actions, logprob, value):
+        for p, reply in replies(batch, self.version, self.ctx.rank, actions, logprob, value, tokens):
             self.reply(p.peer, msgs.encode_act(reply))
             self.counters.sample("request_latency_s", time.monotonic() - p.arrived)
         self.served_steps += len(items) * self.cfg.model.action_chunk

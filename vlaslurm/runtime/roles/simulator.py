@@ -18,7 +18,7 @@ import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, Union, cast
+from typing import Callable, Dict, List, Optional, Tuple, Union, cast
 
 import numpy as np
 import zmq
@@ -26,6 +26,7 @@ import zmq
 from vlaslurm.envs import make_env, preflight
 from vlaslurm.envs.base import VecEnv
 from vlaslurm.log import get_logger
+from vlaslurm.models import env_action_transform
 from vlaslurm.rundir import Counters, EventLog, Heartbeat
 from vlaslurm.runtime import checkpoint as ckpt
 from vlaslurm.runtime import messages as msgs
@@ -35,6 +36,7 @@ from vlaslurm.runtime.episodes import ChunkResult, EnvObs, EnvTrack, mix_seed, r
 from vlaslurm.runtime.schedule import Schedule
 from vlaslurm.runtime.transport import Dealer, Poller, Push, SendTimeout, Sub
 from vlaslurm.spec.env_types import EnvConfig
+from vlaslurm.spec.model_types import ModelConfig
 from vlaslurm.spec.schema import ExperimentSpec, RolloutConfig
 
 log = get_logger("vlaslurm.simulator")
@@ -50,11 +52,19 @@ class SimulatorConfig:
     action_chunk: int
     steps_per_update: int
     group_size: int = 1  # GRPO: environments env_id // group_size reset from one seed (the same task and state)
+    # The policy's checkpoint and post-processing, for the map from its actions to the environment's
+    # (`env_action_transform`); None: the policy's actions are the environment's.
+    model: Optional[ModelConfig] = None
 
     @classmethod
     def from_spec(cls, spec: ExperimentSpec) -> SimulatorConfig:
         return cls(
-            spec.env, spec.rollout, spec.model.action_chunk, spec.algo.steps_per_update, spec.algo.episodes_per_group
+            spec.env,
+            spec.rollout,
+            spec.model.action_chunk,
+            spec.algo.steps_per_update,
+            spec.algo.episodes_per_group,
+            spec.model,
         )
 
     @property
@@ -230,6 +240,8 @@ class Simulator:
         episode_base: int = 0,
     ) -> None:
         self.cfg, self.ctx, self.env = cfg, ctx, env
+        # Built once (it reads the checkpoint's statistics); replies and segments stay in the policy's space.
+        self.to_env = None if cfg.model is None else env_action_transform(cfg.model)
         self.seed = cfg.rollout.seed
         self.incarnation = incarnation
         self.stuck: List[int] = []  # instances left in a step that never returned (`Stepper`)
@@ -311,6 +323,7 @@ class Simulator:
                 bool(result.terminated[row_res]),
                 bool(result.truncated[row_res]),
                 bool(result.success[row_res]),
+                None if reply.token_logprob is None else reply.token_logprob[row],
             )
             if result.terminated[row_res] or result.truncated[row_res]:
                 finished.append(i)
@@ -389,8 +402,11 @@ class Stepper:
     end, chunks under way stop after their current step: a stop need not wait for a whole chunk of slow steps,
     and waits at most the running deadline for a step that never returns (`stuck`)."""
 
-    def __init__(self, sim: Simulator, io: SimulatorIO, workers: int) -> None:
+    def __init__(
+        self, sim: Simulator, io: SimulatorIO, workers: int, to_env: Optional[Callable[[np.ndarray], np.ndarray]] = None
+    ) -> None:
         self.sim, self.io = sim, io
+        self.to_env = to_env  # policy -> environment actions (`env_action_transform`); replies keep the policy's
         self.done: queue.Queue[tuple] = queue.Queue()
         self.wake = _Waker()
         # A bare wake-up socket: it has the `.socket` and `.recv` the Poller uses, not a _Socket's type.
@@ -424,7 +440,7 @@ class Stepper:
         mark = (lambda: started.__setitem__(0, time.monotonic())) if started is not None else None
         result: Union[ChunkResult, BaseException]
         try:
-            result = run_chunk(self.sim.env, np.asarray(locals_), reply.actions, self.cancel, mark)
+            result = run_chunk(self.sim.env, np.asarray(locals_), reply.actions, self.cancel, mark, self.to_env)
         except BaseException as exc:  # noqa: BLE001 - raised in the main loop by `finished`
             result = exc
         self.done.put((g, locals_, reply, result, t0, self.sim.ctx.now()))
@@ -480,7 +496,7 @@ def lockstep_loop(sim: Simulator, io: SimulatorIO, cfg: SimulatorConfig) -> None
     schedule = sim.schedule
     groups = schedule.sub_groups(sim.env.num_envs)
     per_phase = schedule.phase_chunks(cfg.env.num_envs, cfg.action_chunk, cfg.env.episode_limit())
-    stepper = Stepper(sim, io, schedule.step_threads(sim.env.num_envs, sim.env.thread_safe))
+    stepper = Stepper(sim, io, schedule.step_threads(sim.env.num_envs, sim.env.thread_safe), sim.to_env)
     try:
         wait_version(sim, io, 0)
         version = max(io.version, 0)  # a resumed trainer starts at its checkpoint's version
@@ -528,7 +544,7 @@ def run_phase(
 
 def async_loop(sim: Simulator, io: SimulatorIO) -> None:
     """Every environment on its own: request when ready, step when its actions arrive."""
-    stepper = Stepper(sim, io, sim.schedule.step_threads(sim.env.num_envs, sim.env.thread_safe))
+    stepper = Stepper(sim, io, sim.schedule.step_threads(sim.env.num_envs, sim.env.thread_safe), sim.to_env)
     for i in range(sim.env.num_envs):
         io.send(sim.request([i], i, 0))
     first = sim.tracks[0]

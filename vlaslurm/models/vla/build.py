@@ -1,0 +1,137 @@
+"""Build the RL policy of a released checkpoint (or a LoRA adapter over one) from the spec's model section.
+
+The VLA is built on the meta device and filled from the folder's shards strictly (prismatic/release.py), in the
+spec's precision; LoRA adapters go in place (prismatic/lora.py), so the release's parameter names stay.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from vlaslurm.models.prismatic.actions import DatasetStats
+from vlaslurm.models.prismatic.lora import LoraSettings, apply_lora, load_adapter
+from vlaslurm.models.prismatic.oft import (
+    ACTION_HEAD,
+    PROPRIO_PROJECTOR,
+    OFTShape,
+    find_component_file,
+    load_action_head,
+    load_proprio_projector,
+)
+from vlaslurm.models.prismatic.release import (
+    CONFIG_FILE,
+    build_vla,
+    load_image_transform,
+    load_norm_stats,
+    load_tokenizer,
+    load_weights,
+    read_release_config,
+)
+from vlaslurm.models.prismatic.vla import PrismaticVLA
+from vlaslurm.models.vla.base import PolicyShape, ReleaseImages, VLAPolicy
+from vlaslurm.models.vla.bins import CentreCategorical
+from vlaslurm.models.vla.oft import OFTChunkPolicy
+from vlaslurm.models.vla.openvla import OpenVLATokenPolicy
+from vlaslurm.spec.model_types import OpenVLAConfig, OpenVLAOFTConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+VLAConfig = Union[OpenVLAConfig, OpenVLAOFTConfig]
+
+
+class ReleasedPolicyError(ValueError):
+    """A released checkpoint that does not fit the run; the message names the spec field to change."""
+
+
+def build_released(cfg: VLAConfig, action_dim: int, state_dim: int, image_size: int, num_cameras: int) -> VLAPolicy:
+    """The policy of `cfg.path` (a release folder, or an adapter folder over `cfg.base_path`) on the CPU."""
+    from vlaslurm.models.checkpoint import checkpoint_folders
+
+    folders = checkpoint_folders(cfg)
+    dtype = DTYPES[cfg.precision]
+    release = folders.release
+    config = read_release_config(release / CONFIG_FILE)
+    if num_cameras == 0 or image_size == 0:
+        raise ReleasedPolicyError(f"model.path {cfg.path}: a VLA reads camera images; set env.obs.image_size")
+    stats = _dataset(release, cfg, action_dim)
+    vla = build_vla(config, device="meta", dtype=dtype)
+    load_weights(vla, release, dtype, "cpu")
+    _add_adapters(vla, cfg, folders.adapter)
+    shape = PolicyShape(cfg.action_chunk, action_dim)
+    common = dict(
+        tokenizer=load_tokenizer(release),
+        images=ReleaseImages(load_image_transform(release, config), cfg.center_crop),
+        shape=shape,
+    )
+    categorical = CentreCategorical(config.action_bins(), cfg.temperature)
+    policy: VLAPolicy
+    if isinstance(cfg, OpenVLAOFTConfig):
+        policy = _oft(vla, cfg, release, stats, state_dim, dtype, common, categorical)
+    else:
+        policy = OpenVLATokenPolicy(vla, categorical=categorical, **common)
+    policy.source = release
+    return policy
+
+
+def _dataset(release: Path, cfg: VLAConfig, action_dim: int) -> DatasetStats:
+    stats = load_norm_stats(release)
+    key = stats.resolve_key(cfg.unnorm_key)
+    dataset = stats.datasets[key]
+    if dataset.action.dim != action_dim:
+        raise ReleasedPolicyError(
+            f"model.unnorm_key {key!r}: its statistics have {dataset.action.dim} action dimensions but the "
+            f"environment takes {action_dim}"
+        )
+    return dataset
+
+
+def _add_adapters(vla: PrismaticVLA, cfg: VLAConfig, adapter: Optional[Path]) -> None:
+    """`model.lora` adapters, then the adapter folder's weights (which must then have the same settings)."""
+    if cfg.lora is not None:
+        settings = LoraSettings(
+            rank=cfg.lora.rank,
+            alpha=cfg.lora.alpha,
+            dropout=cfg.lora.dropout,
+            target_modules=cfg.lora.target_modules,  # type: ignore[arg-type]  # a list becomes a tuple
+        )
+        apply_lora(vla, settings)
+    if adapter is not None:
+        load_adapter(vla, adapter)
+
+
+def _oft(
+    vla: PrismaticVLA,
+    cfg: OpenVLAOFTConfig,
+    release: Path,
+    stats: DatasetStats,
+    state_dim: int,
+    dtype: torch.dtype,
+    common: dict,
+    categorical: CentreCategorical,
+) -> OFTChunkPolicy:
+    llm_dim = vla.language_model.config.hidden_size
+    head_file = find_component_file(release, ACTION_HEAD)
+    projector_file = find_component_file(release, PROPRIO_PROJECTOR)
+    shape = OFTShape(cfg.action_chunk, common["shape"].action_dim, max(state_dim, 1))
+    head = None if head_file is None else load_action_head(head_file, shape, llm_dim, dtype, "cpu")
+    projector = None
+    if projector_file is not None:
+        if state_dim == 0:
+            raise ReleasedPolicyError(
+                f"model.path {cfg.path}: the checkpoint reads proprio ({projector_file.name}); set env.obs.state: true"
+            )
+        projector = load_proprio_projector(projector_file, shape, llm_dim, dtype, "cpu")
+    return OFTChunkPolicy(
+        vla,
+        head=cfg.head,
+        categorical=categorical,
+        action_head=head,
+        std=cfg.std,
+        init_std=cfg.init_std,
+        final_std=cfg.final_std,
+        proprio_projector=projector,
+        proprio_stats=stats.proprio,
+        **common,
+    )
