@@ -8,7 +8,9 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+import yaml
 from runtime_helpers import run_spec
 from tiny_checkpoints import write_tiny_release
 
@@ -130,3 +132,27 @@ def test_openvla_release_on_libero_sync(tmp_path, libero_openvla):
         tmp_path, spec(libero_env(["agentview"], False), model, algo, "sync", 32), name="ovla-libero", timeout_s=600
     )
     check_learned(run, updates=1)
+
+
+def test_eval_runs_a_release_frozen(tmp_path, toy_oft):
+    """`vlaslurm eval --local` of a released checkpoint: the SFT baseline's table, deterministic for a seed."""
+    from conftest import vlaslurm
+
+    from vlaslurm.rundir.layout import EVAL
+
+    model = {"type": "openvla-oft", "path": str(toy_oft), "action_chunk": 2, "action_dim": 2}
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump(spec(toy_env(), model, {"type": "ppo"}, "sync", 96)))
+    tables, actions = [], []
+    for run in ("a", "b"):
+        proc = vlaslurm("eval", str(path), "--local", "--episodes", "4", runs_root=tmp_path / run, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        (found,) = (tmp_path / run).glob(f"*/*/{EVAL}")
+        tables.append(json.loads(found.read_text()))
+        failed = sorted(found.parent.glob("failed/*.npz"))
+        actions.append([np.load(f)["actions"] for f in failed])
+    assert tables[0]["episodes"] == 4 and tables[0]["episodes_per_task"] == {"reach": 4}
+    assert tables[0]["outcomes"] == tables[1]["outcomes"]
+    assert actions[0], "a random tiny policy fails some episode, whose trajectory is kept"
+    for first, second in zip(*actions):  # the frozen policy's mode: the same actions, run after run
+        assert np.abs(first).max() > 0 and np.array_equal(first, second)
