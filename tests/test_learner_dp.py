@@ -8,6 +8,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from learner_helpers import rollout_segments, tiny_policy
 from vlaslurm.algos.batch import collate
 from vlaslurm.algos.learners import DataParallel, make_learner
 from vlaslurm.spec.algo_types import GRPOConfig, PPOConfig
+from vlaslurm.spec.trainer_types import TrainerSpec
 
 WORLD = 2
 
@@ -29,24 +31,31 @@ def algo_config(kind: str, level: str):
     return GRPOConfig(type="grpo", group_size=4, **common)
 
 
-def one_update(kind: str, level: str, batch, dp: DataParallel) -> dict:
+def one_update(kind: str, level: str, batch, dp: DataParallel, micro: Optional[int] = None) -> dict:
     torch.set_num_threads(1)
     policy = tiny_policy(seed=3)
-    learner = make_learner(algo_config(kind, level), policy, dp, seed=7)
+    learner = make_learner(algo_config(kind, level), policy, dp, seed=7, trainer=TrainerSpec(micro_batch_size=micro))
     learner.update(batch, version=5)
     return {k: v.detach().clone() for k, v in policy.state_dict().items()}
 
 
-CASES = [("ppo", "action"), ("ppo", "chunk"), ("ppo", "token"), ("grpo", "action"), ("grpo", "token")]
+# (algo, logprob level, trainer.micro_batch_size): a rank's share of a minibatch in micro-batches of 4 too
+CASES = [
+    ("ppo", "action", None),
+    ("ppo", "chunk", None),
+    ("ppo", "token", 4),
+    ("grpo", "action", None),
+    ("grpo", "token", 4),
+]
 
 
 def _rank(rank: int, tmp: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD)
     try:
         batch = torch.load(f"{tmp}/batch.pt", weights_only=False)
-        for kind, level in CASES:  # one spawn for every case: starting processes is the slow part
-            params = one_update(kind, level, batch, DataParallel(None, rank, WORLD))
-            torch.save(params, f"{tmp}/params-{kind}-{level}-{rank}.pt")
+        for kind, level, micro in CASES:  # one spawn for every case: starting processes is the slow part
+            params = one_update(kind, level, batch, DataParallel(None, rank, WORLD), micro)
+            torch.save(params, f"{tmp}/params-{kind}-{level}-{micro}-{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -67,13 +76,13 @@ def ranked(tmp_path_factory, batch) -> Path:
     return tmp
 
 
-@pytest.mark.parametrize("kind,level", CASES)
-def test_two_ranks_equal_one_rank(ranked: Path, batch, kind: str, level: str):
-    single = one_update(kind, level, batch, DataParallel(None, 0, 1))
+@pytest.mark.parametrize("kind,level,micro", CASES)
+def test_two_ranks_equal_one_rank(ranked: Path, batch, kind: str, level: str, micro: Optional[int]):
+    single = one_update(kind, level, batch, DataParallel(None, 0, 1))  # one rank, the minibatch at once
     before = tiny_policy(seed=3).state_dict()
     moved = sum(int(not torch.equal(before[k], single[k])) for k in single)
     assert moved > len(single) // 2, "the update should change most parameters"
     for rank in range(WORLD):
-        params = torch.load(ranked / f"params-{kind}-{level}-{rank}.pt")
+        params = torch.load(ranked / f"params-{kind}-{level}-{micro}-{rank}.pt")
         for name, value in single.items():
             torch.testing.assert_close(params[name], value, rtol=1e-4, atol=2e-6, msg=f"rank {rank}: {name}")

@@ -10,7 +10,8 @@ Details: docs/algorithms.md
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Protocol, Tuple, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -23,11 +24,13 @@ from vlaslurm.algos.offpolicy import policy_loss
 from vlaslurm.algos.ppo import explained_variance, masked_mean
 from vlaslurm.spec.algo_types import GRPO_ADVANTAGES, AlgoConfig, GRPOConfig, PPOConfig, SyntheticAlgoConfig
 from vlaslurm.spec.registry import Registry
+from vlaslurm.spec.trainer_types import OptimizerConfig, TrainerSpec
 
 if TYPE_CHECKING:
     from vlaslurm.models.base import Policy
 
 Stats = Dict[str, List[float]]
+VALUE_HEAD = "value_head."  # the critic's parameters in every policy that has one (its own learning rate)
 
 
 class Learner(Protocol):
@@ -36,7 +39,7 @@ class Learner(Protocol):
 
 
 # The learner class of each algo.type (its config class is registered in vlaslurm/spec/algo_types.py),
-# built as `cls(cfg, policy, dp, seed)`.
+# built as `cls(cfg, policy, dp, seed, trainer)` (trainer: the spec's `trainer:` section).
 LEARNERS: Registry[Callable[..., Learner]] = Registry("algo", "learner")
 
 
@@ -99,15 +102,34 @@ def evaluate_all(
     return out_values, prox
 
 
+@dataclass(frozen=True)
+class MinibatchCounts:
+    """Counts of the whole minibatch (all ranks), so that every shard's and micro-batch's losses add up to the
+    minibatch mean: decision steps, executed actions, and ratios at the logprob level."""
+
+    steps: int
+    actions: int
+    ratios: int
+
+
 class PolicyStep:
     """One optimiser step of a clipped policy-gradient loss on a minibatch of decision steps, shared by
     PPO and GRPO: the ratio at `algo.logprob_level`, the off-policy correction, the entropy bonus, an
-    optional extra term (PPO's value loss), data-parallel loss scaling and the gradient sum."""
+    optional extra term (PPO's value loss), data-parallel loss scaling, gradient accumulation over
+    `trainer.micro_batch_size` and the gradient sum."""
 
-    def __init__(self, cfg: AlgoConfig, policy: nn.Module, dp: DataParallel, entropy_coef: float) -> None:
+    def __init__(
+        self,
+        cfg: AlgoConfig,
+        policy: nn.Module,
+        dp: DataParallel,
+        entropy_coef: float,
+        trainer: Optional[TrainerSpec] = None,
+    ) -> None:
         self.cfg, self.policy, self.dp, self.entropy_coef = cfg, policy, dp, entropy_coef
+        self.trainer = trainer or TrainerSpec()
         self.params = [p for p in policy.parameters() if p.requires_grad]
-        self.opt = torch.optim.Adam(self.params, lr=cfg.lr, eps=1e-5)
+        self.opt = make_optimizer(policy, cfg.lr, self.trainer.optimizer)
 
     def __call__(
         self,
@@ -122,12 +144,36 @@ class PolicyStep:
         """`adv` [N, T] per decision step; `extra(values, rows, cols)` returns a summed (not averaged) loss."""
         t = batch.tensors
         level = self.cfg.logprob_level
-        # Global counts of the whole minibatch, so that the shards' losses add up to the minibatch mean.
-        n_steps = len(rows)
         n_actions = int(t["mask"][rows, cols].sum())
         per_action = t["actions"].shape[-1] if level == "token" else 1
-        n_ratio = n_steps if level == "chunk" else n_actions * per_action
+        counts = MinibatchCounts(len(rows), n_actions, len(rows) if level == "chunk" else n_actions * per_action)
         rows, cols = self.dp.shard(rows), self.dp.shard(cols)
+        self.opt.zero_grad(set_to_none=True)
+        parts: List[Tuple[float, float, Dict[str, Tensor]]] = []
+        size = self.trainer.micro_batch_size or max(len(rows), 1)
+        for micro in torch.arange(len(rows)).split(size):
+            loss, weights, part = self._loss(batch, rows[micro], cols[micro], adv, prox, counts, extra)
+            loss.backward()  # gradients accumulate: each micro-batch's loss is its share of the minibatch mean
+            parts.append((*weights, part))
+        self.dp.sum_grads(self.params)
+        nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
+        self.opt.step()
+        for key, value in _weighted_stats(parts).items():
+            stats.setdefault(key, []).append(value)
+
+    def _loss(
+        self,
+        batch: TrainBatch,
+        rows: Tensor,
+        cols: Tensor,
+        adv: Tensor,
+        prox: Tensor,
+        counts: MinibatchCounts,
+        extra: Optional[Callable[[Tensor, Tensor, Tensor], Tensor]],
+    ) -> Tuple[Tensor, Tuple[float, float], Dict[str, Tensor]]:
+        """(this micro-batch's share of the minibatch loss, its weights in the shard's statistics, statistics)."""
+        t = batch.tensors
+        level = self.cfg.logprob_level
         out = cast("Policy", self.policy).evaluate(batch.policy_input(rows, cols), t["actions"][rows, cols])
         mask = t["mask"][rows, cols]
         a = adv[rows, cols]
@@ -160,18 +206,42 @@ class PolicyStep:
             lmask,
         )
         entropy = masked_mean(out.entropy, mask)
-        # Means over this shard -> its part of the minibatch mean (exact under data parallelism).
-        share, entropy_share = local / max(n_ratio, 1), int(mask.sum()) / max(n_actions, 1)
+        # Means over this micro-batch -> its part of the minibatch mean (exact under data parallelism).
+        executed = int(mask.sum())
+        share, entropy_share = local / max(counts.ratios, 1), executed / max(counts.actions, 1)
         loss = pg * share - self.entropy_coef * entropy * entropy_share
         if extra is not None:
-            loss = loss + extra(out.value, rows, cols) / max(n_steps, 1)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        self.dp.sum_grads(self.params)
-        nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
-        self.opt.step()
-        for key, value in {**pg_stats, "losses/entropy": entropy.detach()}.items():
-            stats.setdefault(key, []).append(float(value))
+            loss = loss + extra(out.value, rows, cols) / max(counts.steps, 1)
+        return loss, (float(local), float(executed)), {**pg_stats, "losses/entropy": entropy.detach()}
+
+
+def make_optimizer(policy: nn.Module, lr: float, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; the value head in its own group when `value_lr` is set."""
+    named = [(name, p) for name, p in policy.named_parameters() if p.requires_grad]
+    value = [p for name, p in named if name.startswith(VALUE_HEAD)]
+    groups: List[Dict[str, Any]]
+    if cfg.value_lr is None or not value:
+        groups = [{"params": [p for _, p in named]}]
+    else:
+        groups = [
+            {"params": [p for name, p in named if not name.startswith(VALUE_HEAD)]},
+            {"params": value, "lr": cfg.value_lr},
+        ]
+    betas = (float(cfg.betas[0]), float(cfg.betas[1]))
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def _weighted_stats(parts: List[Tuple[float, float, Dict[str, Tensor]]]) -> Dict[str, float]:
+    """The shard's statistics from its micro-batches': ratio statistics weighted by their ratios, the entropy by
+    executed actions (with one micro-batch, exactly that micro-batch's values)."""
+    out: Dict[str, float] = {}
+    for key in parts[0][2] if parts else ():
+        entropy = key == "losses/entropy"
+        weights = [p[1] if entropy else p[0] for p in parts]
+        total = sum(weights)
+        values = [float(p[2][key]) for p in parts]
+        out[key] = sum(w * v for w, v in zip(weights, values)) / total if total else values[0]
+    return out
 
 
 def ratios_per_step(t: Dict[str, Tensor], level: str) -> Tensor:
@@ -196,14 +266,16 @@ class PPOLearner:
     """PPO with chunk-level GAE, a shared-backbone value head, and decoupled-PPO / truncated-IS
     correction for stale samples. Advantages are normalised over the whole batch."""
 
-    def __init__(self, cfg: PPOConfig, policy: nn.Module, dp: DataParallel, seed: int) -> None:
+    def __init__(
+        self, cfg: PPOConfig, policy: nn.Module, dp: DataParallel, seed: int, trainer: Optional[TrainerSpec] = None
+    ) -> None:
         if cfg.value_level != "chunk":
             raise NotImplementedError(
                 "algo.value_level 'action' needs a value per action of the chunk; the "
                 "policies here have one value per observation: use value_level: chunk"
             )
         self.cfg, self.policy, self.dp, self.seed = cfg, policy, dp, seed
-        self.step = PolicyStep(cfg, policy, dp, cfg.entropy_coef)
+        self.step = PolicyStep(cfg, policy, dp, cfg.entropy_coef, trainer)
         self.opt = self.step.opt  # checkpoints save and restore it
 
     def advantages(self, batch: TrainBatch, values: Tensor) -> Tuple[Tensor, Tensor]:
@@ -263,11 +335,13 @@ class GRPOLearner:
     trajectories: every episode weighs the same whatever its length.
     """
 
-    def __init__(self, cfg: GRPOConfig, policy: nn.Module, dp: DataParallel, seed: int) -> None:
+    def __init__(
+        self, cfg: GRPOConfig, policy: nn.Module, dp: DataParallel, seed: int, trainer: Optional[TrainerSpec] = None
+    ) -> None:
         if cfg.advantage not in GRPO_ADVANTAGES:
             raise ValueError(f"algo.advantage must be one of {', '.join(GRPO_ADVANTAGES)}, got {cfg.advantage!r}")
         self.cfg, self.policy, self.dp, self.seed, self.advantage = cfg, policy, dp, seed, cfg.advantage
-        self.step = PolicyStep(cfg, policy, dp, cfg.entropy_coef)
+        self.step = PolicyStep(cfg, policy, dp, cfg.entropy_coef, trainer)
         self.opt = self.step.opt
 
     def advantages(self, batch: TrainBatch) -> Tuple[Tensor, Tensor, Dict[str, float]]:
@@ -335,7 +409,14 @@ class GRPOLearner:
 class SyntheticLearner:
     """Sleeps `update_ms` and nudges the weights, so every version is distinct."""
 
-    def __init__(self, cfg: SyntheticAlgoConfig, policy: nn.Module, dp: DataParallel, seed: int) -> None:
+    def __init__(
+        self,
+        cfg: SyntheticAlgoConfig,
+        policy: nn.Module,
+        dp: DataParallel,
+        seed: int,
+        trainer: Optional[TrainerSpec] = None,
+    ) -> None:
         self.cfg, self.policy = cfg, policy
 
     def update(self, batch: TrainBatch, version: int) -> Dict[str, float]:
@@ -346,6 +427,8 @@ class SyntheticLearner:
         return {}
 
 
-def make_learner(cfg: AlgoConfig, policy: nn.Module, dp: DataParallel, seed: int) -> Learner:
+def make_learner(
+    cfg: AlgoConfig, policy: nn.Module, dp: DataParallel, seed: int, trainer: Optional[TrainerSpec] = None
+) -> Learner:
     """The learner of `algo.type` (`LEARNERS`)."""
-    return LEARNERS.get(cfg.type)(cfg, policy, dp, seed)
+    return LEARNERS.get(cfg.type)(cfg, policy, dp, seed, trainer)

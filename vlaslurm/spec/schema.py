@@ -13,6 +13,7 @@ from vlaslurm.spec.algo_types import AlgoConfig
 from vlaslurm.spec.env_types import EnvConfig
 from vlaslurm.spec.model_types import ModelConfig
 from vlaslurm.spec.registry import doc
+from vlaslurm.spec.trainer_types import TrainerSpec
 
 # The choices of enum-like fields: the loader checks them (and names them in its errors) from the type.
 Mode = Literal["sync", "pipelined", "async"]
@@ -97,7 +98,12 @@ class RoleResources:
         "Roles with the same group share one component's nodes as parallel steps; "
         "a role with more nodes than the others gets the rest as its own component.",
     )
-    max_restarts: int = doc(0, "Times a dead worker of this role is restarted.")
+    max_restarts: Optional[int] = doc(
+        None,
+        "Times a dead worker of this role is restarted, with back-off (0 = fail fast); None = the role's "
+        "default (`default_max_restarts`): simulator 3, generator 3 with rollout.weight_sync filesystem "
+        "else 0, trainer 0.",
+    )
     container: ContainerConfig = field(default_factory=ContainerConfig, metadata={"doc": "Container of the role."})
 
 
@@ -171,6 +177,7 @@ class ExperimentSpec:
     env: EnvConfig = field(default_factory=EnvConfig, metadata={"doc": "Simulator."})
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"doc": "Policy."})
     algo: AlgoConfig = field(default_factory=AlgoConfig, metadata={"doc": "RL algorithm."})
+    trainer: TrainerSpec = field(default_factory=TrainerSpec, metadata={"doc": "How the trainer computes an update."})
     rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={"doc": "Execution mode."})
     resources: ResourcesConfig = field(default_factory=ResourcesConfig, metadata={"doc": "Placement."})
     slurm: SlurmConfig = field(default_factory=SlurmConfig, metadata={"doc": "Slurm."})
@@ -181,3 +188,27 @@ class ExperimentSpec:
     def role_resources(self, role: str) -> RoleResources:
         """Resources of one role by name."""
         return getattr(self.resources, role)
+
+    def max_restarts(self, role: str) -> int:
+        """`resources.<role>.max_restarts` as set, else the role's default (the loader writes it in)."""
+        value = self.role_resources(role).max_restarts
+        return default_max_restarts(role, self.rollout.weight_sync) if value is None else value
+
+
+def default_max_restarts(role: str, weight_sync: str) -> int:
+    """The one place a role's restart default is decided. Simulators are stateless and stay outside the
+    torch.distributed world, so they come back; so do generators whose weights come from files (a restarted
+    process cannot rejoin an NCCL broadcast group); the trainer holds the run's state (resume from a
+    checkpoint instead)."""
+    if role == "simulator" or (role == "generator" and weight_sync == "filesystem"):
+        return DEFAULT_RESTARTS
+    return 0
+
+
+DEFAULT_RESTARTS = 3  # restarts of a stateless role unless the spec says otherwise
+
+
+def resolve_restarts(spec: ExperimentSpec) -> None:
+    """Write each role's resolved max_restarts into `spec` (at load, so `plan` and spec.yaml show it)."""
+    for role in ROLES:
+        spec.role_resources(role).max_restarts = spec.max_restarts(role)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Iterable, cast
 
 from vlaslurm.spec.errors import close_names
 from vlaslurm.spec.model_types import VLAConfig
-from vlaslurm.spec.schema import ROLES
+from vlaslurm.spec.schema import DEFAULT_RESTARTS, ROLES
 
 if TYPE_CHECKING:
     from vlaslurm.spec.algo_types import GRPOConfig
@@ -116,6 +116,7 @@ def _check_counts(loaded: LoadedSpec) -> None:
     _positive(loaded, ["runtime.first_meeting_timeout_s", "runtime.timeout_s"], minimum=1)
     if loaded.spec.algo.lr <= 0:
         raise loaded.error("algo.lr", f"must be greater than 0, got {loaded.spec.algo.lr}")
+    _check_trainer(loaded)
     for role, count in loaded.spec.runtime.local_ranks.items():
         if role not in ROLES:
             raise loaded.error(
@@ -125,6 +126,21 @@ def _check_counts(loaded: LoadedSpec) -> None:
             )
         if count < 1:
             raise loaded.error(f"runtime.local_ranks.{role}", f"must be at least 1, got {count}")
+
+
+def _check_trainer(loaded: LoadedSpec) -> None:
+    trainer = loaded.spec.trainer
+    if trainer.micro_batch_size is not None and trainer.micro_batch_size < 1:
+        raise loaded.error("trainer.micro_batch_size", f"must be at least 1 (or null), got {trainer.micro_batch_size}")
+    opt = trainer.optimizer
+    if not opt.weight_decay >= 0:
+        raise loaded.error("trainer.optimizer.weight_decay", f"must be 0 or more, got {opt.weight_decay}")
+    if len(opt.betas) != 2 or not all(0 <= b < 1 for b in opt.betas):
+        raise loaded.error("trainer.optimizer.betas", f"must be two numbers in [0, 1), got {opt.betas}")
+    if not opt.eps > 0:
+        raise loaded.error("trainer.optimizer.eps", f"must be greater than 0, got {opt.eps}")
+    if opt.value_lr is not None and not opt.value_lr > 0:
+        raise loaded.error("trainer.optimizer.value_lr", f"must be greater than 0 (or null), got {opt.value_lr}")
 
 
 def _check_env(loaded: LoadedSpec) -> None:
@@ -262,7 +278,8 @@ def _check_resources(loaded: LoadedSpec) -> None:
     if res.generator.max_restarts and loaded.spec.rollout.weight_sync != "filesystem":
         raise loaded.error(
             "resources.generator.max_restarts",
-            "needs rollout.weight_sync: filesystem (a restarted generator cannot rejoin the nccl broadcast group)",
+            "must be 0 with rollout.weight_sync: nccl: a restarted generator cannot rejoin the NCCL broadcast "
+            f"group; use weight_sync: filesystem (then generators restart {DEFAULT_RESTARTS} times by default)",
         )
     depth = loaded.spec.rollout.depth
     for ranks, where in _simulator_ranks(loaded):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Deque, Dict, List, Optional, Set, Tuple
 
@@ -39,6 +39,7 @@ from vlaslurm.runtime.weights import make_publisher
 from vlaslurm.spec.algo_types import AlgoConfig
 from vlaslurm.spec.model_types import ModelConfig
 from vlaslurm.spec.schema import CheckpointConfig, ExperimentSpec, Layout, RolloutConfig, TrackingConfig
+from vlaslurm.spec.trainer_types import TrainerSpec
 from vlaslurm.tracking import open_tracker
 
 log = get_logger("vlaslurm.trainer")
@@ -54,10 +55,13 @@ class TrainerConfig:
     checkpoint: CheckpointConfig
     tracking: TrackingConfig
     layout: Layout  # resources.layout: collocated, model and optimizer leave the GPU during rollouts
+    trainer: TrainerSpec = field(default_factory=TrainerSpec)  # the spec's `trainer:`: micro-batches, optimizer
 
     @classmethod
     def from_spec(cls, spec: ExperimentSpec) -> TrainerConfig:
-        return cls(spec.algo, spec.model, spec.rollout, spec.checkpoint, spec.tracking, spec.resources.layout)
+        return cls(
+            spec.algo, spec.model, spec.rollout, spec.checkpoint, spec.tracking, spec.resources.layout, spec.trainer
+        )
 
 
 class Collector:
@@ -420,7 +424,8 @@ def run(ctx: RankContext, cfg: TrainerConfig) -> int:
     # runtime.timeout_s): outlast those, so that rank 0's error naming the culprit comes first.
     group = data_parallel_group(trainers, ctx.deadlines.first_s + ctx.deadlines.running_s)
     policy = build_trainer_policy(cfg, ctx)
-    learner = make_learner(cfg.algo, policy, DataParallel(group, ctx.rank, len(trainers)), cfg.rollout.seed)
+    dp = DataParallel(group, ctx.rank, len(trainers))
+    learner = make_learner(cfg.algo, policy, dp, cfg.rollout.seed, cfg.trainer)
     optimizer = getattr(learner, "opt", None)
     # The newest checkpoint that verifies (every rank checks the same files; rank 0 records a fallback).
     resume_from = ckpt.resume_point(ctx.run_dir, record=ctx.rank == 0, required=ckpt.required_files(optimizer))
