@@ -9,6 +9,7 @@ Details: docs/algorithms.md
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Tuple, cast
@@ -51,6 +52,13 @@ class DataParallel:
 
     def shard(self, index: Tensor) -> Tensor:
         return index[self.rank :: self.size]
+
+    def micro_batches(self, total: int, size: Optional[int]) -> int:
+        """How many micro-batches of at most `size` this rank's share of `total` rows takes (0 for none)."""
+        share = len(range(self.rank, total, self.size))
+        if share == 0:
+            return 0
+        return 1 if size is None else math.ceil(share / size)
 
     def sum_grads(self, params: List[nn.Parameter]) -> None:
         if self.size == 1:
@@ -147,11 +155,11 @@ class PolicyStep:
         n_actions = int(t["mask"][rows, cols].sum())
         per_action = t["actions"].shape[-1] if level == "token" else 1
         counts = MinibatchCounts(len(rows), n_actions, len(rows) if level == "chunk" else n_actions * per_action)
+        count = self.dp.micro_batches(len(rows), self.trainer.micro_batch_size)
         rows, cols = self.dp.shard(rows), self.dp.shard(cols)
         self.opt.zero_grad(set_to_none=True)
         parts: List[Tuple[float, float, Dict[str, Tensor]]] = []
-        size = self.trainer.micro_batch_size or max(len(rows), 1)
-        for micro in torch.arange(len(rows)).split(size):
+        for micro in torch.arange(len(rows)).tensor_split(count) if count else ():
             loss, weights, part = self._loss(batch, rows[micro], cols[micro], adv, prox, counts, extra)
             loss.backward()  # gradients accumulate: each micro-batch's loss is its share of the minibatch mean
             parts.append((*weights, part))
