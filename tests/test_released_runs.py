@@ -79,7 +79,8 @@ def check_learned(run, updates: int) -> None:
 
 def test_oft_release_trains_on_the_toy_task_in_sync(tmp_path, toy_oft):
     model = {"type": "openvla-oft", "path": str(toy_oft), "action_chunk": 2, "action_dim": 2}
-    algo = {"type": "ppo", "steps_per_update": 32, "logprob_level": "action"}
+    # a value per action slot, from each action's own hidden states (RLinf-VLA's action-level critic)
+    algo = {"type": "ppo", "steps_per_update": 32, "logprob_level": "action", "value_level": "action"}
     run = run_spec(tmp_path, spec(toy_env(), model, algo, "sync", 96), name="oft-toy", timeout_s=300)
     check_learned(run, updates=2)
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from vlaslurm.algos.batch import TrainBatch, episode_layout
-from vlaslurm.algos.gae import chunk_rewards, compute_gae, expand_chunk
+from vlaslurm.algos.gae import action_level_gae, chunk_rewards, compute_gae, expand_chunk
 from vlaslurm.algos.grpo import group_advantages, group_advantages_per_step, reward_to_go, success_filter_mask
 from vlaslurm.algos.offpolicy import policy_loss
 from vlaslurm.algos.ppo import explained_variance, masked_mean
@@ -83,16 +83,25 @@ def token_logprob(logprob: Optional[Tensor]) -> Tensor:
     return logprob
 
 
+def slot_values(values: Optional[Tensor]) -> Tensor:
+    if values is None:
+        raise ValueError(
+            "algo.value_level 'action' needs a value per action slot, which this policy does not give; "
+            "use value_level: chunk"
+        )
+    return values
+
+
 @torch.no_grad()
 def evaluate_all(
-    policy: nn.Module, batch: TrainBatch, values: bool, chunk: int = 512, tokens: bool = False
+    policy: nn.Module, batch: TrainBatch, values: bool, chunk: int = 512, tokens: bool = False, slots: bool = False
 ) -> Tuple[Tensor, Tensor]:
-    """Under the current parameters: values of all T+1 observations ([N, T+1], zeros unless `values`)
-    and the proximal log-probs of the stored actions ([N, T, C], or [N, T, C, A] per token with `tokens`),
-    the trust region's centre."""
+    """Under the current parameters: values of all T+1 observations ([N, T+1], zeros unless `values`; with
+    `slots` a value per action slot, [N, T+1, C]) and the proximal log-probs of the stored actions ([N, T, C],
+    or [N, T, C, A] per token with `tokens`), the trust region's centre."""
     t = batch.tensors
     n, T = t["step_valid"].shape
-    out_values = torch.zeros(n, T + 1, device=t["actions"].device)
+    out_values = torch.zeros(n, T + 1, *t["mask"].shape[2:3] if slots else (), device=t["actions"].device)
     key = behaviour_key("token" if tokens else "action")
     if key not in t:
         token_logprob(None)  # the segments carry no per-token log-probs: raises, saying what to change
@@ -104,7 +113,7 @@ def evaluate_all(
         r, c = rows[start : start + chunk], cols[start : start + chunk]
         acting = c < t["length"][r]
         out = cast("Policy", policy).evaluate(batch.policy_input(r, c), t["actions"][r, c.clamp(max=T - 1)])
-        out_values[r, c] = out.value.float()
+        out_values[r, c] = (slot_values(out.slot_value) if slots else out.value).float()
         logprob = token_logprob(out.token_logprob) if tokens else out.logprob
         prox[r[acting], c[acting]] = logprob.float()[acting]
     return out_values, prox
@@ -147,9 +156,10 @@ class PolicyStep:
         adv: Tensor,
         prox: Tensor,
         stats: Stats,
-        extra: Optional[Callable[[Tensor, Tensor, Tensor], Tensor]] = None,
+        extra: Optional[Extra] = None,
     ) -> None:
-        """`adv` [N, T] per decision step; `extra(values, rows, cols)` returns a summed (not averaged) loss."""
+        """`adv` [N, T] per decision step, or [N, T, C] per action; `extra(out, rows, cols, counts)` returns an extra
+        loss term (PPO's value loss) already divided by the minibatch's counts."""
         t = batch.tensors
         level = self.cfg.logprob_level
         n_actions = int(t["mask"][rows, cols].sum())
@@ -177,7 +187,7 @@ class PolicyStep:
         adv: Tensor,
         prox: Tensor,
         counts: MinibatchCounts,
-        extra: Optional[Callable[[Tensor, Tensor, Tensor], Tensor]],
+        extra: Optional[Extra],
     ) -> Tuple[Tensor, Tuple[float, float], Dict[str, Tensor]]:
         """(this micro-batch's share of the minibatch loss, its weights in the shard's statistics, statistics)."""
         t = batch.tensors
@@ -195,12 +205,12 @@ class PolicyStep:
             local = len(rows)
         elif level == "action":  # one ratio per executed action
             new, old, lmask = out.logprob, behaviour, mask
-            a = expand_chunk(a, mask.shape[-1])
+            a = expand_chunk(a, mask.shape[-1]) if a.ndim == 1 else a  # a chunk's advantage, or each action's
             local = int(mask.sum())
         else:  # token: one ratio per action dimension of each executed action
             new, old = token_logprob(out.token_logprob), behaviour
             lmask = mask[..., None].expand_as(new)
-            a = expand_chunk(a, mask.shape[-1])[..., None].expand_as(new)
+            a = (expand_chunk(a, mask.shape[-1]) if a.ndim == 1 else a)[..., None].expand_as(new)
             local = int(lmask.sum())
         pg, pg_stats = policy_loss(
             new,
@@ -219,8 +229,12 @@ class PolicyStep:
         share, entropy_share = local / max(counts.ratios, 1), executed / max(counts.actions, 1)
         loss = pg * share - self.entropy_coef * entropy * entropy_share
         if extra is not None:
-            loss = loss + extra(out.value, rows, cols) / max(counts.steps, 1)
+            loss = loss + extra(out, rows, cols, counts)
         return loss, (float(local), float(executed)), {**pg_stats, "losses/entropy": entropy.detach()}
+
+
+# PPO's value loss: (the policy's outputs, rows, cols, the minibatch's counts) -> its share of the minibatch mean.
+Extra = Callable[[Any, Tensor, Tensor, MinibatchCounts], Tensor]
 
 
 def make_optimizer(policy: nn.Module, lr: float, cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -277,25 +291,36 @@ class PPOLearner:
     def __init__(
         self, cfg: PPOConfig, policy: nn.Module, dp: DataParallel, seed: int, trainer: Optional[TrainerSpec] = None
     ) -> None:
-        if cfg.value_level != "chunk":
-            raise NotImplementedError(
-                "algo.value_level 'action' needs a value per action of the chunk; the "
-                "policies here have one value per observation: use value_level: chunk"
-            )
+        if cfg.value_level == "action" and cfg.logprob_level == "chunk":
+            raise ValueError("algo.value_level 'action' gives each action its own advantage: use logprob_level action")
         self.cfg, self.policy, self.dp, self.seed = cfg, policy, dp, seed
         self.step = PolicyStep(cfg, policy, dp, cfg.entropy_coef, trainer)
         self.opt = self.step.opt  # checkpoints save and restore it
 
     def advantages(self, batch: TrainBatch, values: Tensor) -> Tuple[Tensor, Tensor]:
-        """Chunk-level GAE over each segment; bootstraps from the last observation unless terminated."""
+        """GAE over each segment, bootstrapped from the last observation unless terminated: per decision step
+        ([N, T], `values` [N, T+1]) or per executed action (value_level: action, `values` [N, T+1, C])."""
         t = batch.tensors
         n, T = t["step_valid"].shape
-        reward, discount = chunk_rewards(t["rewards"], t["mask"], self.cfg.gamma)
         last = torch.zeros(n, T, dtype=torch.bool, device=values.device)
         last[torch.arange(n), t["length"] - 1] = True
         padded = ~t["step_valid"]
         terminated = (last & t["terminated"][:, None]) | padded
         truncated = last & ~t["terminated"][:, None]
+        if self.cfg.value_level == "action":
+            mask = t["mask"] & t["step_valid"][..., None]
+            adv, ret = action_level_gae(
+                t["rewards"].transpose(0, 1),
+                values[:, :T].transpose(0, 1),
+                values[:, 1:, 0].T,  # after a chunk: the next observation's value before its first action
+                mask.transpose(0, 1),
+                terminated.T,
+                truncated.T,
+                self.cfg.gamma,
+                self.cfg.gae_lambda,
+            )
+            return adv.transpose(0, 1), ret.transpose(0, 1)
+        reward, discount = chunk_rewards(t["rewards"], t["mask"], self.cfg.gamma)
         adv, ret = compute_gae(
             reward.T, values[:, :T].T, values[:, 1:].T, terminated.T, truncated.T, discount.T, self.cfg.gae_lambda
         )
@@ -303,24 +328,34 @@ class PPOLearner:
 
     def update(self, batch: TrainBatch, version: int) -> Dict[str, float]:
         t = batch.tensors
-        values, prox = evaluate_all(self.policy, batch, values=True, tokens=self.cfg.logprob_level == "token")
+        per_action = self.cfg.value_level == "action"
+        values, prox = evaluate_all(
+            self.policy, batch, values=True, tokens=self.cfg.logprob_level == "token", slots=per_action
+        )
         adv, ret = self.advantages(batch, values)
         valid = t["step_valid"]
-        adv = (adv - adv[valid].mean()) / (adv[valid].std() + 1e-8)
+        scored = t["mask"] & valid[..., None] if per_action else valid  # where an advantage exists
+        adv = (adv - adv[scored].mean()) / (adv[scored].std() + 1e-8)
         rows, cols = valid.nonzero(as_tuple=True)
         gen = torch.Generator().manual_seed(self.seed * 100003 + version)
         stats: Stats = {}
 
-        def value_term(v: Tensor, r: Tensor, c: Tensor) -> Tensor:
-            err = 0.5 * (v - ret[r, c]) ** 2
+        def value_term(out, r: Tensor, c: Tensor, counts: MinibatchCounts) -> Tensor:
+            if per_action:  # each executed action's value against its own return
+                executed = t["mask"][r, c]
+                err = (0.5 * (slot_values(out.slot_value) - ret[r, c]) ** 2)[executed]
+                total = counts.actions
+            else:
+                err, total = 0.5 * (out.value - ret[r, c]) ** 2, counts.steps
             stats.setdefault("losses/value_loss", []).append(float(err.detach().mean()) if len(err) else 0.0)
-            return self.cfg.value_coef * err.sum()
+            return self.cfg.value_coef * err.sum() / max(total, 1)
 
         for _ in range(self.cfg.epochs):
             for mb in _minibatches(len(rows), self.cfg.minibatches, gen):
                 self.step(batch, rows[mb], cols[mb], adv, prox, stats, value_term)
         out = _mean_stats(stats)
-        out["losses/explained_variance"] = explained_variance(values[:, :-1][valid], ret[valid])
+        predicted = values[:, :-1][scored] if per_action else values[:, :-1][valid]
+        out["losses/explained_variance"] = explained_variance(predicted, ret[scored])
         return out
 
 

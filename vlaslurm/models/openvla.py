@@ -96,7 +96,7 @@ class OpenVLAPolicy(PreTrainedModel):
 
     # --- network ---------------------------------------------------------------------------
     def forward(self, inp: PolicyInput, action_bins: torch.Tensor | None = None):
-        """Teacher-forced pass: (bin logits [B, C*A, n_bins] or None, value [B]), float32.
+        """Teacher-forced pass: (bin logits [B, C*A, n_bins] or None, value [B], slot values [B, C]), float32.
 
         Position T-1 (the last prompt token) predicts the first action token;
         action token k predicts token k+1, so the last action token is not fed.
@@ -112,7 +112,12 @@ class OpenVLAPolicy(PreTrainedModel):
         hidden = hidden.float()
         value = self.value_head(hidden[:, prompt_len - 1]).squeeze(-1)
         logits = self._bin_logits(hidden[:, prompt_len - 1 :]) if action_bins is not None else None
-        return logits, value
+        # action slot k's value reads the position before its first token (the decision's value for k = 0)
+        before = (
+            hidden[:, prompt_len - 1 :: self.action_dim][:, : self.action_chunk] if action_bins is not None else None
+        )
+        slot_value = self.value_head(before).squeeze(-1) if before is not None else value[:, None]
+        return logits, value, slot_value
 
     def _bin_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # The LM head restricted to the bin tokens, tempered (see module docstring).
@@ -127,9 +132,11 @@ class OpenVLAPolicy(PreTrainedModel):
             hidden, mask, cache = run_lm(self.encoder.lm, embeds, mask, use_cache=True)
         hidden = hidden[:, -1].float()
         value = self.value_head(hidden).squeeze(-1)
-        bins, logprobs = [], []
+        bins, logprobs, before_action = [], [], []
         uniforms = _uniforms(len(hidden), n_tokens, inp.seeds, hidden.device)
         for k in range(n_tokens):
+            if k % self.action_dim == 0:
+                before_action.append(self.value_head(hidden).squeeze(-1))
             dist = torch.distributions.Categorical(logits=self._bin_logits(hidden))
             if deterministic:
                 token = dist.probs.argmax(-1)
@@ -151,16 +158,17 @@ class OpenVLAPolicy(PreTrainedModel):
         shape = (-1, self.action_chunk, self.action_dim)
         actions = self.bin_centers()[torch.stack(bins, 1)].view(shape)
         per_token = torch.stack(logprobs, 1).view(shape)
-        return PolicyOutput(actions=actions, logprob=per_token.sum(-1), value=value, token_logprob=per_token)
+        slot_value = torch.stack(before_action, 1)
+        return PolicyOutput(actions, per_token.sum(-1), value, token_logprob=per_token, slot_value=slot_value)
 
     def evaluate(self, inp: PolicyInput, actions: torch.Tensor) -> PolicyEval:
         bins = self.actions_to_bins(actions).reshape(len(inp.instructions), -1)
-        logits, value = self(inp, bins)
+        logits, value, slot_value = self(inp, bins)
         dist = torch.distributions.Categorical(logits=logits)
         shape = (-1, self.action_chunk, self.action_dim)
         per_token = dist.log_prob(bins).view(shape)
         entropy = dist.entropy().view(shape).sum(-1)
-        return PolicyEval(logprob=per_token.sum(-1), entropy=entropy, value=value, token_logprob=per_token)
+        return PolicyEval(per_token.sum(-1), entropy, value, token_logprob=per_token, slot_value=slot_value)
 
 
 def _uniforms(batch: int, count: int, seeds: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:

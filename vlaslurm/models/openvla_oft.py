@@ -117,7 +117,7 @@ class OpenVLAOFTPolicy(PreTrainedModel):
         log_std = self.action_log_std()
         actions = mean if deterministic else mean + log_std.exp() * _noise(mean, inp.seeds)
         per_dim = gaussian_logprob(actions, mean, log_std)
-        return PolicyOutput(actions=actions, logprob=per_dim.sum(-1), value=value, token_logprob=per_dim)
+        return PolicyOutput(actions, per_dim.sum(-1), value, token_logprob=per_dim, slot_value=self._slot_values(value))
 
     def evaluate(self, inp: PolicyInput, actions: torch.Tensor) -> PolicyEval:
         mean, value = self._heads(self(inp))
@@ -126,7 +126,12 @@ class OpenVLAOFTPolicy(PreTrainedModel):
         per_dim = gaussian_logprob(actions, mean, log_std)
         logprob = per_dim.sum(-1)
         entropy = (0.5 + 0.5 * math.log(2 * math.pi) + log_std).sum().expand_as(logprob)
-        return PolicyEval(logprob=logprob, entropy=entropy, value=value, token_logprob=per_dim)
+        return PolicyEval(logprob, entropy, value, token_logprob=per_dim, slot_value=self._slot_values(value))
+
+    def _slot_values(self, value: torch.Tensor) -> torch.Tensor:
+        # One value per observation: every action slot of the chunk shares it (a released OFT's critic reads each
+        # action's own hidden states, vlaslurm/models/vla/oft.py).
+        return value[:, None].expand(-1, self.action_chunk)
 
 
 def _noise(like: torch.Tensor, seeds: Optional[torch.Tensor]) -> torch.Tensor:

@@ -44,7 +44,10 @@ class SyntheticPolicy(nn.Module):
                 else torch.zeros(0, *shape)
             )
         tokens = torch.zeros(batch, self.action_chunk, self.action_dim)
-        return PolicyOutput(actions, torch.zeros(batch, self.action_chunk), torch.zeros(batch), token_logprob=tokens)
+        slots = torch.zeros(batch, self.action_chunk)
+        return PolicyOutput(
+            actions, torch.zeros(batch, self.action_chunk), torch.zeros(batch), token_logprob=tokens, slot_value=slots
+        )
 
     def evaluate(self, inp: PolicyInput, actions: torch.Tensor) -> PolicyEval:
         batch = actions.shape[0]
@@ -55,6 +58,7 @@ class SyntheticPolicy(nn.Module):
             torch.zeros(batch, self.action_chunk),
             torch.zeros(batch) + zero,
             token_logprob=torch.zeros(batch, self.action_chunk, self.action_dim) + zero,
+            slot_value=torch.zeros(batch, self.action_chunk) + zero,
         )
 
 

@@ -212,6 +212,13 @@ def _check_pair(loaded: LoadedSpec, key: str, low_max: float = float("inf")) -> 
 def _check_algo(loaded: LoadedSpec) -> None:
     env = loaded.spec.env
     _check_pair(loaded, "algo.clip", low_max=1.0)
+    algo_cfg = loaded.spec.algo
+    if getattr(algo_cfg, "value_level", "chunk") == "action" and algo_cfg.logprob_level == "chunk":
+        raise loaded.error(
+            "algo.value_level",
+            "'action' gives each executed action its own advantage, which one ratio per chunk cannot use: "
+            "set algo.logprob_level: action (or token)",
+        )
     if loaded.spec.algo.type == "grpo":
         algo = cast("GRPOConfig", loaded.spec.algo)  # the registry's class of algo.type grpo
         _positive(loaded, ["algo.group_size"], minimum=2)
