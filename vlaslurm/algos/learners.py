@@ -22,7 +22,7 @@ from vlaslurm.algos.batch import TrainBatch, episode_layout
 from vlaslurm.algos.gae import action_level_gae, chunk_rewards, compute_gae, expand_chunk
 from vlaslurm.algos.grpo import group_advantages, group_advantages_per_step, reward_to_go, success_filter_mask
 from vlaslurm.algos.offpolicy import policy_loss
-from vlaslurm.algos.ppo import explained_variance, masked_mean
+from vlaslurm.algos.ppo import explained_variance, masked_mean, value_errors
 from vlaslurm.spec.algo_types import GRPO_ADVANTAGES, AlgoConfig, GRPOConfig, PPOConfig, SyntheticAlgoConfig
 from vlaslurm.spec.registry import Registry
 from vlaslurm.spec.trainer_types import OptimizerConfig, TrainerSpec
@@ -222,6 +222,7 @@ class PolicyStep:
             self.cfg.offpolicy_correction,
             self.cfg.tis_cap,
             lmask,
+            dual_clip=self.cfg.dual_clip,
         )
         entropy = masked_mean(out.entropy, mask)
         # Means over this micro-batch -> its part of the minibatch mean (exact under data parallelism).
@@ -340,13 +341,19 @@ class PPOLearner:
         gen = torch.Generator().manual_seed(self.seed * 100003 + version)
         stats: Stats = {}
 
+        cfg = self.cfg
+        huber = cfg.huber_delta if cfg.value_loss == "huber" else None
+
         def value_term(out, r: Tensor, c: Tensor, counts: MinibatchCounts) -> Tensor:
+            # against the values before this update (the clip's centre)
             if per_action:  # each executed action's value against its own return
                 executed = t["mask"][r, c]
-                err = (0.5 * (slot_values(out.slot_value) - ret[r, c]) ** 2)[executed]
+                new = slot_values(out.slot_value)
+                err = value_errors(new, ret[r, c], values[r, c], cfg.value_clip, huber)[executed]
                 total = counts.actions
             else:
-                err, total = 0.5 * (out.value - ret[r, c]) ** 2, counts.steps
+                err = value_errors(out.value, ret[r, c], values[r, c], cfg.value_clip, huber)
+                total = counts.steps
             stats.setdefault("losses/value_loss", []).append(float(err.detach().mean()) if len(err) else 0.0)
             return self.cfg.value_coef * err.sum() / max(total, 1)
 

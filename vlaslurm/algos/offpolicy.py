@@ -67,6 +67,7 @@ def policy_loss(
     tis_cap: float,
     mask: Optional[Tensor] = None,
     reduction: str = "token",
+    dual_clip: Optional[float] = None,
 ) -> Tuple[Tensor, Stats]:
     """Policy loss with the chosen off-policy ``correction`` (``none``, ``decoupled``, ``tis``).
 
@@ -75,12 +76,12 @@ def policy_loss(
     """
     if correction == "none":
         return ppo_policy_loss(
-            new_logprob, behaviour_logprob, advantages, clip_low, clip_high, mask, reduction=reduction
+            new_logprob, behaviour_logprob, advantages, clip_low, clip_high, mask, None, reduction, dual_clip
         )
     if correction == "decoupled":
         weight = truncated_is_weight(proximal_logprob, behaviour_logprob, tis_cap)
         loss, stats = ppo_policy_loss(
-            new_logprob, proximal_logprob, advantages, clip_low, clip_high, mask, weight, reduction
+            new_logprob, proximal_logprob, advantages, clip_low, clip_high, mask, weight, reduction, dual_clip
         )
         stats.update(_weight_stats(proximal_logprob, behaviour_logprob, tis_cap, mask))
         return loss, stats

@@ -79,13 +79,15 @@ def ppo_policy_loss(
     mask: Optional[Tensor] = None,
     weight: Optional[Tensor] = None,
     reduction: str = "token",
+    dual_clip: Optional[float] = None,
 ) -> Tuple[Tensor, Stats]:
     """Clipped surrogate ``-min(r A, clip(r, 1 - low, 1 + high) A)`` with ``r = exp(new - old)``.
 
     All tensors share one shape (``advantages`` broadcastable to it; use
     ``gae.expand_chunk`` to give every action or token of a chunk its chunk's advantage).
     ``weight`` (treated as constant) multiplies each element's surrogate; decoupled PPO
-    passes its behaviour importance weight here.
+    passes its behaviour importance weight here. ``dual_clip`` c > 1 bounds the loss of a negative
+    advantage at ``-c A`` (dual-clip PPO, RLinf's ``clip_ratio_c``): a huge ratio cannot dominate it.
     """
     logratio = fill_masked(new_logprob - old_logprob.detach(), mask)
     advantages = fill_masked(advantages.expand_as(logratio), mask)
@@ -93,12 +95,36 @@ def ppo_policy_loss(
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
     per_elem = -torch.min(unclipped, clipped)
+    if dual_clip is not None:
+        per_elem = torch.where(advantages < 0, torch.min(per_elem, -dual_clip * advantages), per_elem)
     if weight is not None:
         per_elem = fill_masked(weight.detach().expand_as(per_elem), mask) * per_elem
     loss = reduce(per_elem, mask, reduction)
     stats = clip_stats(logratio.detach(), clip_low, clip_high, mask)
     stats["losses/policy_loss"] = loss.detach()
     return loss, stats
+
+
+def value_errors(
+    new_values: Tensor,
+    returns: Tensor,
+    old_values: Optional[Tensor] = None,
+    clip: Optional[float] = None,
+    huber_delta: Optional[float] = None,
+) -> Tensor:
+    """Per element: ``0.5 (V - R)^2``, or the Huber loss of ``V - R`` with ``huber_delta``; with ``old_values`` and
+    ``clip``, the larger of that and the error of ``V`` clipped to within ``clip`` of ``old_values`` (cleanrl's
+    ``clip_vloss``, RLinf's ``value_clip``)."""
+
+    def error(v: Tensor) -> Tensor:
+        if huber_delta is None:
+            return 0.5 * (v - returns) ** 2
+        return torch.nn.functional.huber_loss(v, returns, reduction="none", delta=huber_delta)
+
+    err = error(new_values)
+    if clip is not None and old_values is not None:
+        err = torch.max(err, error(old_values + (new_values - old_values).clamp(-clip, clip)))
+    return err
 
 
 def value_loss(
@@ -108,16 +134,9 @@ def value_loss(
     clip: Optional[float] = None,
     mask: Optional[Tensor] = None,
 ) -> Tensor:
-    """``0.5 * (V - R)^2``; with ``old_values`` and ``clip``, the pessimistic clipped version.
-
-    Clipping keeps ``V`` within ``clip`` of the value at collection time and takes the
-    larger of the clipped and unclipped errors (cleanrl's ``clip_vloss``).
-    """
-    err = (new_values - returns) ** 2
-    if clip is not None and old_values is not None:
-        clipped_v = old_values + (new_values - old_values).clamp(-clip, clip)
-        err = torch.max(err, (clipped_v - returns) ** 2)
-    return 0.5 * masked_mean(err, mask)
+    """``0.5 * (V - R)^2``; with ``old_values`` and ``clip``, the pessimistic clipped version (mean of
+    `value_errors`)."""
+    return masked_mean(value_errors(new_values, returns, old_values, clip), mask)
 
 
 def entropy_bonus(entropy: Tensor, mask: Optional[Tensor] = None) -> Tensor:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Literal, get_args
+from typing import List, Literal, Optional, get_args
 
 from vlaslurm.spec.registry import doc, register
 
@@ -27,6 +27,9 @@ class AlgoConfig:
     )
     tis_cap: float = doc(2.0, "Upper bound of the behaviour importance weight.")
     logprob_level: Literal["token", "action", "chunk"] = doc("chunk", "Granularity of log-probs.")
+    dual_clip: Optional[float] = doc(
+        None, "Dual-clip PPO's c > 1 (RLinf's clip_ratio_c, e.g. 3): a negative advantage's loss is at most -c A."
+    )
 
     @property
     def episodes_per_group(self) -> int:
@@ -44,6 +47,11 @@ class PPOConfig(AlgoConfig):
     value_coef: float = doc(0.5, "Weight of the value loss.")
     entropy_coef: float = doc(0.0, "Weight of the entropy bonus.")
     value_level: Literal["action", "chunk"] = doc("chunk", "Value and advantage granularity: action or chunk.")
+    value_clip: Optional[float] = doc(
+        None, "Clip the value's change to +-value_clip around the value before the update (None: no clipping)."
+    )
+    value_loss: Literal["mse", "huber"] = doc("mse", "Value loss: mse (0.5 (V - R)^2) or huber (with huber_delta).")
+    huber_delta: float = doc(1.0, "Where the Huber value loss turns from quadratic to linear.")
 
 
 @register("algo", "grpo")

@@ -213,6 +213,14 @@ def _check_algo(loaded: LoadedSpec) -> None:
     env = loaded.spec.env
     _check_pair(loaded, "algo.clip", low_max=1.0)
     algo_cfg = loaded.spec.algo
+    if algo_cfg.dual_clip is not None and not algo_cfg.dual_clip > 1:
+        raise loaded.error("algo.dual_clip", f"must be greater than 1 (or null), got {algo_cfg.dual_clip}")
+    value_clip = getattr(algo_cfg, "value_clip", None)
+    if value_clip is not None and not value_clip > 0:
+        raise loaded.error("algo.value_clip", f"must be greater than 0 (or null), got {value_clip}")
+    huber_delta = getattr(algo_cfg, "huber_delta", 1.0)
+    if not huber_delta > 0:
+        raise loaded.error("algo.huber_delta", f"must be greater than 0, got {huber_delta}")
     if getattr(algo_cfg, "value_level", "chunk") == "action" and algo_cfg.logprob_level == "chunk":
         raise loaded.error(
             "algo.value_level",
