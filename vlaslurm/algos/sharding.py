@@ -33,8 +33,10 @@ def shard_policy(
     mixed_precision: MixedPrecision = "fp32",
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    device_type: Optional[str] = None,
 ) -> nn.Module:
-    """Shard `policy` in place over `group` and return it; its parameters become DTensors."""
+    """Shard `policy` in place over `group` and return it; its parameters become DTensors. A policy built on the
+    meta device (to be filled with `load_release_slices`) needs the `device_type` its shards will live on."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
@@ -46,7 +48,7 @@ def shard_policy(
     )
 
     device = next(policy.parameters()).device
-    mesh = DeviceMesh.from_group(group, device.type)
+    mesh = DeviceMesh.from_group(group, device_type or ("cpu" if device.type == "meta" else device.type))
     # bf16 compute, float32 gradient reduction and master parameters (the optimizer steps the float32 shards).
     precision = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -106,3 +108,48 @@ def local_numel(policy: nn.Module) -> int:
     from torch.distributed.tensor import DTensor
 
     return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in policy.parameters())
+
+
+def materialize_sharded(module: nn.Module, device: torch.device) -> None:
+    """Allocate a sharded module built on the meta device, keeping the buffers that were computed for real
+    (the rotary frequencies, which no checkpoint holds); its parameters are then uninitialised local shards."""
+    kept = {name: b.detach().clone() for name, b in module.named_buffers() if not b.is_meta}
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in module.named_buffers():
+            if name in kept:
+                buffer.copy_(kept[name])
+
+
+def load_release_slices(module: nn.Module, folder: str, dtype: torch.dtype, prefix: str = "") -> int:
+    """Fill `module`'s tensors named `prefix + <release name>` from a release folder's safetensors, strictly, each
+    rank reading only the rows of its own shards (safetensors slices a tensor without reading the rest of the
+    file). Returns the bytes this rank read: about 1/N of the weights on each of N ranks, never a full copy."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from vlaslurm.models.prismatic.release import check_tensors, stored_tensors
+
+    stored = stored_tensors(folder)
+    targets = {name[len(prefix) :]: t for name, t in module.state_dict().items() if name.startswith(prefix)}
+    check_tensors({key: t.shape for key, t in targets.items()}, stored, folder)
+    read = 0
+    for file in sorted({entry.file for entry in stored.values()}):
+        with safe_open(str(file), framework="pt") as shard, torch.no_grad():
+            for key in shard.keys():
+                target = targets[key]
+                if isinstance(target, DTensor):
+                    shape, offset = compute_local_shape_and_global_offset(
+                        target.shape, target.device_mesh, target.placements
+                    )
+                    local = target.to_local()
+                    if local.numel() == 0:
+                        continue
+                    rows = [slice(o, o + s) for o, s in zip(offset, shape)]
+                    part = shard.get_slice(key)[tuple(rows)]
+                else:
+                    local, part = target, shard.get_tensor(key)
+                local.copy_(part.to(dtype))
+                read += part.numel() * part.element_size()
+    return read
