@@ -58,7 +58,7 @@ def test_sharded_loading_equals_the_plain_loader(loaded):
 def test_each_rank_reads_only_its_rows(loaded):
     tmp, release = loaded
     total = 0
-    for entry_key, entry in stored_tensors(release).items():
+    for entry in stored_tensors(release).values():
         total += int(torch.tensor(entry.shape).prod()) * 4  # float32 in the tiny release
     reads = [torch.load(tmp / f"read-{rank}.pt") for rank in range(WORLD)]
     assert sum(reads) == total  # the ranks' rows partition every tensor
