@@ -22,7 +22,7 @@ from listen_helpers import is_wildcard, listening
 from runtime_helpers import run_spec, synthetic_spec, wait_for
 
 from vlaslurm.runtime import messages as msgs
-from vlaslurm.runtime.transport import Dealer, Message, Push
+from vlaslurm.runtime.transport import WIRE_VERSION, Dealer, Message, Push
 
 
 def member(run_dir: Path, role: str) -> dict:
@@ -61,7 +61,7 @@ def test_wrong_or_missing_secret_is_refused_and_logged(tmp_path: Path) -> None:
             assert dealer.recv(1000) is None  # no answer to a forged request
         raw = zmq.Context.instance().socket(zmq.DEALER)  # no envelope, no MAC at all
         raw.connect(f"tcp://{gen['address']}:{gen['ports']['obs']}")
-        raw.send_multipart([msgpack.packb({"v": 1, "h": b"kind", "mac": b""})])
+        raw.send_multipart([msgpack.packb({"v": WIRE_VERSION, "h": b"kind", "mac": b""})])
         forged = Message(msgs.SEGMENT, {"traj_id": "forged"})
         with Push(wrong, name="forger") as push:
             push.connect(f"tcp://{trainer['address']}:{trainer['ports']['segments']}")

@@ -88,13 +88,16 @@ def test_encode_decode_round_trip_every_dtype() -> None:
 
 
 def test_frame_zero_is_a_versioned_msgpack_envelope() -> None:
-    frames = encode(Message("x", {}, {"a": np.ones(3, np.float32)}), KEY)
+    frames = encode(Message("x", {}, {"a": np.ones(3, np.float32)}), KEY, channel="c", session=b"s" * 16, seq=7)
     envelope = msgpack.unpackb(frames[0])
-    assert envelope["v"] == 1 and len(envelope["mac"]) == 32
+    assert envelope["v"] == 2 and len(envelope["mac"]) == 32
     assert msgpack.unpackb(envelope["h"]) == {
         "kind": "x",
         "meta": {},
         "arrays": [{"name": "a", "dtype": "<f4", "shape": [3]}],
+        "ch": "c",
+        "sid": b"s" * 16,
+        "seq": 7,
     }
     assert len(frames) == 2 and bytes(frames[1]) == np.ones(3, np.float32).tobytes()
 
@@ -122,7 +125,7 @@ def test_tampering_and_wrong_keys_are_detected() -> None:
     with pytest.raises(WireError, match="envelope"):
         decode([b"\xc1garbage"], KEY)
     with pytest.raises(WireError, match="version"):
-        decode([msgpack.packb({"v": 2})], KEY)
+        decode([msgpack.packb({"v": 1})], KEY)
 
 
 def test_signed_but_inconsistent_headers_are_rejected() -> None:
@@ -130,9 +133,9 @@ def test_signed_but_inconsistent_headers_are_rejected() -> None:
     from vlaslurm.runtime.transport import _mac
 
     def forge(specs: list[dict], frames: list[bytes]) -> list[bytes]:
-        signed = msgpack.packb({"kind": "x", "meta": {}, "arrays": specs})
+        signed = msgpack.packb({"kind": "x", "meta": {}, "arrays": specs, "ch": "", "sid": b"", "seq": 0})
         mac = _mac(KEY, signed, [memoryview(f) for f in frames])
-        return [msgpack.packb({"v": 1, "h": signed, "mac": mac}), *frames]
+        return [msgpack.packb({"v": 2, "h": signed, "mac": mac}), *frames]
 
     with pytest.raises(WireError, match="not allowed"):
         decode(forge([{"name": "a", "dtype": "|O", "shape": [1]}], [b"\0" * 8]), KEY)

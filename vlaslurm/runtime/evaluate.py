@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
@@ -26,14 +27,14 @@ from vlaslurm.envs import make_env
 from vlaslurm.envs.base import Observation, VecEnv
 from vlaslurm.log import get_logger
 from vlaslurm.models import PolicyInput, build_policy, env_action_transform
-from vlaslurm.rundir import Heartbeat, RunDir, write_atomic
+from vlaslurm.rundir import Counters, Heartbeat, RunDir, write_atomic
 from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime.context import RankContext, make_context, meet, rank_from_env, run_spec
 from vlaslurm.runtime.episodes import mix_seed, run_chunk, split_obs, stack_obs
 from vlaslurm.runtime.failures import FailureKeeper
 from vlaslurm.runtime.roles.simulator import env_dims
 from vlaslurm.runtime.schedule import Sync
-from vlaslurm.runtime.transport import Dealer, Router
+from vlaslurm.runtime.transport import Dealer, Router, rejection_counts, routing_id
 from vlaslurm.spec import ExperimentSpec, LoadedSpec
 from vlaslurm.spec.env_types import EnvConfig
 from vlaslurm.spec.model_types import ModelConfig
@@ -80,6 +81,11 @@ class EvalRankConfig:
     @classmethod
     def from_spec(cls, spec: ExperimentSpec, eval_cfg: EvalConfig) -> EvalRankConfig:
         return cls(eval_cfg, spec.env, spec.model, spec.rollout.seed, spec.rollout.batching)
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """Larger frames are refused unread by this rank's sockets."""
+        return msgs.max_frame_bytes(self.env, self.model.action_chunk)
 
 
 @dataclass
@@ -301,7 +307,7 @@ def simulate(ctx: RankContext, cfg: EvalRankConfig) -> int:
     env = make_env(cfg.env, num_envs=local, rank=ctx.rank, seed=cfg.seed)
     meet(ctx, ports={}, extra=env_dims(env, cfg.env), roles=())  # no torch.distributed world: nothing to sync
     outcomes = Outcomes(ctx.run_dir, cfg.eval.keep_failed, first_index=ctx.rank * cfg.eval.keep_failed)
-    client = _GeneratorClient(ctx, outcomes, cfg.seed)
+    client = _GeneratorClient(ctx, outcomes, cfg.seed, cfg.max_frame_bytes)
     try:
         to_env = env_action_transform(cfg.model)  # the generator serves the policy's own actions
         run_episodes(env, ctx.rank * local, cfg.env.num_envs, cfg.eval, cfg.seed, client.act, outcomes, to_env)
@@ -320,12 +326,21 @@ def simulate(ctx: RankContext, cfg: EvalRankConfig) -> int:
 class _GeneratorClient:
     """A simulator rank's line to its generator (rank % generators, as in the lock-step modes)."""
 
-    def __init__(self, ctx: RankContext, outcomes: Outcomes, seed: int) -> None:
+    def __init__(self, ctx: RankContext, outcomes: Outcomes, seed: int, max_frame_bytes: int) -> None:
         self.ctx, self.outcomes, self.seed = ctx, outcomes, seed
         self.gen = ctx.rank % ctx.info.ranks["generator"]
-        self.dealer = Dealer(ctx.secret, identity=f"simulator-{ctx.rank}".encode(), name=f"obs->generator[{self.gen}]")
-        self.dealer.connect(ctx.member("generator", self.gen).endpoint("obs"))
+        generator = ctx.member("generator", self.gen)
+        self.dealer = Dealer(
+            ctx.secret,
+            identity=routing_id(f"simulator-{ctx.rank}"),  # unpredictable: nobody can take our replies
+            **msgs.generator_channels(ctx.job_key, self.gen, generator.pid),
+            name=f"obs->generator[{self.gen}]",
+            accepts={msgs.ACT: msgs.decode_act},
+            max_frame_bytes=max_frame_bytes,
+        )
+        self.dealer.connect(generator.endpoint("obs"))
         self.heartbeat = Heartbeat(ctx.run_dir, "simulator", ctx.rank)
+        self.counters = Counters(ctx.run_dir, "simulator", ctx.rank)
         self.answered = False  # the first answer waits for the generator to load its policy
 
     def act(self, obs: Observation, decision: Decision) -> np.ndarray:
@@ -350,13 +365,20 @@ class _GeneratorClient:
                 )
         self.answered = True
         self.heartbeat.beat(0, f"episodes={sum(map(len, self.outcomes.success.values()))}")
+        self.count_rejections()
         return msgs.decode_act(msg).actions
+
+    def count_rejections(self, force: bool = False) -> None:
+        for name, count in rejection_counts(self.dealer).items():
+            self.counters.set(name, count)
+        self.counters.maybe_write(force=force)
 
     def done(self) -> None:
         self.dealer.send(msgs.sim_done(self.ctx.rank, 0, 0))
         self.heartbeat.beat(0, "finished", force=True)
 
     def close(self) -> None:
+        self.count_rejections(force=True)
         self.dealer.close()  # lingers long enough to deliver `done`
 
 
@@ -391,7 +413,13 @@ def serve(ctx: RankContext, cfg: EvalRankConfig) -> int:
     """A generator rank of an eval job: `model.path` frozen (version 0) for its simulators, until each says done."""
     from vlaslurm.runtime.roles.generator import Batcher, Pending
 
-    router = Router(ctx.secret, name=f"generator[{ctx.rank}]")
+    router = Router(
+        ctx.secret,
+        **msgs.generator_channels(ctx.job_key, ctx.rank, os.getpid()),  # the pid its rendezvous file names
+        name=f"generator[{ctx.rank}]",
+        accepts=msgs.EVAL_GENERATOR_INTAKE,
+        max_frame_bytes=cfg.max_frame_bytes,
+    )
     router.bind(ctx.address)
     meet(ctx, ports={"obs": router.port}, roles=())
     policy = build_policy(cfg.model, **ctx.member("simulator", 0).extra).to(ctx.device).eval()
@@ -400,6 +428,7 @@ def serve(ctx: RankContext, cfg: EvalRankConfig) -> int:
     clients = schedule.clients(ctx.rank, ctx.info.ranks["simulator"], ctx.info.ranks["generator"])
     batcher = Batcher(schedule, clients)
     heartbeat = Heartbeat(ctx.run_dir, "generator", ctx.rank)
+    counters = Counters(ctx.run_dir, "generator", ctx.rank)
     done: set = set()
     served, heard, limit = 0, time.monotonic(), ctx.deadlines.first_s
     try:
@@ -408,8 +437,8 @@ def serve(ctx: RankContext, cfg: EvalRankConfig) -> int:
             if got is not None:
                 heard, limit = time.monotonic(), ctx.deadlines.running_s
                 peer, msg = got
-                if msg.kind == msgs.SIM_DONE:
-                    done.add(int(msg.meta["sim_rank"]))
+                if msg.kind == msgs.SIM_DONE:  # the socket takes only these two kinds, checked
+                    done.add(msgs.decode_sim_done(msg)[0])
                 else:
                     batcher.pending.append(Pending(peer, msgs.decode_obs(msg), time.monotonic()))
             elif time.monotonic() - heard > limit:
@@ -420,7 +449,11 @@ def serve(ctx: RankContext, cfg: EvalRankConfig) -> int:
             if batcher.ready(0, time.monotonic()):
                 served += _serve_batch(ctx, policy, batcher.take(0), router, cfg.eval)
             heartbeat.beat(0, f"served={served}")
+            for name, count in rejection_counts(router).items():
+                counters.set(name, count)
+            counters.maybe_write()
     finally:
+        counters.maybe_write(force=True)
         router.close()
     heartbeat.beat(0, f"finished served={served}", force=True)
     log.info("served %d decisions of a frozen %s", served, cfg.model.type)

@@ -8,20 +8,86 @@ carry its version, what it has consumed, the newest phase whose batch it took,
 and when to stop. In the collocated layout every generator and trainer rank tells
 trainer rank 0 when its state has left the GPU (`offloaded`), so that the next
 role moves on only once the device is free.
+
+Each decoder checks what it reads (types, lengths, the arrays a kind must carry) and raises
+`WireError` for anything else; the receiving sockets run them on every message they take
+(`*_INTAKE`, `ANNOUNCEMENTS`, `REPLIES`), so a bad message is a counted rejection, never a rank's
+crash. Channel names (`channel`) and the largest frame a run may send (`max_frame_bytes`) are here too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
 from vlaslurm.envs.base import Observation
-from vlaslurm.runtime.transport import Message
+from vlaslurm.runtime.transport import Message, WireError
+from vlaslurm.spec.env_types import EnvConfig
 
 OBS, ACT, HELD, SEGMENT, PHASE_END, SIM_DONE, CTL = "obs", "act", "held", "segment", "phase_end", "sim_done", "ctl"
 SIM_RESTART, OFFLOADED = "sim_restart", "offloaded"
+MAX_SEGMENT_STEPS = 64  # decision steps in one segment at most (the simulator cuts longer ones)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _bad(kind: str, what: str) -> WireError:
+    return WireError(f"{kind}: {what}", reason="content")
+
+
+def _int(m: Mapping[str, Any], key: str, kind: str, default: Optional[int] = None) -> int:
+    value = m.get(key, default)
+    if not isinstance(value, int):  # bool is an int: msgpack gives True/False only where one was sent
+        raise _bad(kind, f"{key!r} is {type(value).__name__}, not an integer")
+    return int(value)
+
+
+def _float(m: Mapping[str, Any], key: str, kind: str) -> float:
+    value = m.get(key)
+    if not isinstance(value, (int, float)):
+        raise _bad(kind, f"{key!r} is {type(value).__name__}, not a number")
+    return float(value)
+
+
+def _bool(m: Mapping[str, Any], key: str, kind: str) -> bool:
+    value = m.get(key)
+    if not isinstance(value, (bool, int)):
+        raise _bad(kind, f"{key!r} is {type(value).__name__}, not a boolean")
+    return bool(value)
+
+
+def _str(m: Mapping[str, Any], key: str, kind: str) -> str:
+    value = m.get(key)
+    if not isinstance(value, str):
+        raise _bad(kind, f"{key!r} is {type(value).__name__}, not a string")
+    return value
+
+
+def _list(m: Mapping[str, Any], key: str, kind: str, of: type, n: Optional[int] = None) -> list:
+    value = m.get(key)
+    if not isinstance(value, list) or not all(isinstance(v, of) for v in value):
+        raise _bad(kind, f"{key!r} is not a list of {of.__name__}")
+    if n is not None and len(value) != n:
+        raise _bad(kind, f"{key!r} has {len(value)} items, expected {n}")
+    return list(value)
+
+
+def _array(msg: Message, name: str, rows: Optional[int]) -> Optional[np.ndarray]:
+    """Array `name` of `msg` (None if absent), with `rows` rows if given."""
+    array = msg.arrays.get(name)
+    if array is not None and rows is not None and (array.ndim == 0 or array.shape[0] != rows):
+        raise _bad(msg.kind, f"array {name!r} has shape {array.shape}, expected {rows} rows")
+    return array
+
+
+def _required(msg: Message, name: str, rows: Optional[int]) -> np.ndarray:
+    array = _array(msg, name, rows)
+    if array is None:
+        raise _bad(msg.kind, f"array {name!r} is missing")
+    return array
 
 
 @dataclass
@@ -59,18 +125,23 @@ def encode_obs(req: ObsRequest) -> Message:
 
 
 def decode_obs(msg: Message) -> ObsRequest:
-    m = msg.meta
-    obs = Observation(msg.arrays.get("images"), msg.arrays.get("state"), list(m["instructions"]))
+    m, k = msg.meta, OBS
+    env_ids = _list(m, "env_ids", k, int)
+    n = len(env_ids)
+    if n == 0:
+        raise _bad(k, "no environments")
+    images, state = _array(msg, "images", n), _array(msg, "state", n)
+    obs = Observation(images, state, _list(m, "instructions", k, str, n))
     return ObsRequest(
-        list(m["env_ids"]),
-        list(m["episodes"]),
-        list(m["steps"]),
-        list(m["seeds"]),
+        env_ids,
+        _list(m, "episodes", k, int, n),
+        _list(m, "steps", k, int, n),
+        _list(m, "seeds", k, int, n),
         obs,
-        int(m["sub_group"]),
-        int(m["min_version"]),
-        float(m["sent_at"]),
-        int(m["sim_rank"]),
+        _int(m, "sub_group", k),
+        _int(m, "min_version", k),
+        _float(m, "sent_at", k),
+        _int(m, "sim_rank", k),
     )
 
 
@@ -100,16 +171,20 @@ def encode_act(rep: ActReply) -> Message:
 
 
 def decode_act(msg: Message) -> ActReply:
-    m = msg.meta
+    m, k = msg.meta, ACT
+    env_ids = _list(m, "env_ids", k, int)
+    n = len(env_ids)
+    if n == 0:
+        raise _bad(k, "no environments")
     return ActReply(
-        list(m["env_ids"]),
-        int(m["sub_group"]),
-        int(m["version"]),
-        msg.arrays["actions"],
-        msg.arrays["logprob"],
-        msg.arrays["value"],
-        int(m["gen_rank"]),
-        msg.arrays.get("token_logprob"),
+        env_ids,
+        _int(m, "sub_group", k),
+        _int(m, "version", k),
+        _required(msg, "actions", n),
+        _required(msg, "logprob", n),
+        _required(msg, "value", n),
+        _int(m, "gen_rank", k),
+        _array(msg, "token_logprob", n),
     )
 
 
@@ -117,6 +192,11 @@ def held(env_ids: List[int], gen_rank: int) -> Message:
     """The generator holds this request (`stale_policy: hold`): ship what these environments have
     stepped so far, so that the trainer can consume it and lift the hold. Repeated while the hold lasts."""
     return Message(HELD, {"env_ids": list(env_ids), "gen_rank": gen_rank})
+
+
+def decode_held(msg: Message) -> Tuple[List[int], int]:
+    """(env ids, generator rank) of a `held` notice."""
+    return _list(msg.meta, "env_ids", HELD, int), _int(msg.meta, "gen_rank", HELD)
 
 
 @dataclass
@@ -202,9 +282,36 @@ def encode_segment(seg: Segment) -> Message:
     return Message(SEGMENT, {k: getattr(seg, k) for k in _SEG_META}, arrays)
 
 
+_SEG_META_TYPES: Dict[str, Callable[[Mapping[str, Any], str, str], Any]] = {
+    "traj_id": _str,
+    "env_id": _int,
+    "episode": _int,
+    "index": _int,
+    "task": _str,
+    "instruction": _str,
+    "version": _int,
+    "terminated": _bool,
+    "truncated": _bool,
+    "success": _bool,
+    "t_start": _float,
+    "t_end": _float,
+    "sim_rank": _int,
+    "incarnation": _int,
+}
+_SEG_OPTIONAL = {"images": 1, "state": 1, "token_logprob": 0}  # optional arrays, and their rows past T
+
+
 def decode_segment(msg: Message) -> Segment:
-    arrays: Dict[str, Any] = {k: msg.arrays.get(k) for k in _SEG_ARRAYS}
-    return Segment(**{k: msg.meta[k] for k in _SEG_META}, **arrays)
+    actions = _required(msg, "actions", None)
+    if actions.ndim == 0 or not 0 < actions.shape[0] <= MAX_SEGMENT_STEPS:
+        raise _bad(SEGMENT, f"array 'actions' has shape {actions.shape}: 1 to {MAX_SEGMENT_STEPS} steps expected")
+    steps = actions.shape[0]
+    arrays: Dict[str, Any] = {
+        k: (_array if k in _SEG_OPTIONAL else _required)(msg, k, steps + _SEG_OPTIONAL.get(k, 0)) for k in _SEG_ARRAYS
+    }
+    if arrays["mask"].dtype != np.bool_:
+        raise _bad(SEGMENT, f"array 'mask' has dtype {arrays['mask'].dtype}, not bool")
+    return Segment(**{k: check(msg.meta, k, SEGMENT) for k, check in _SEG_META_TYPES.items()}, **arrays)
 
 
 def _obs_arrays(obs: Observation) -> Dict[str, np.ndarray]:
@@ -224,14 +331,45 @@ def phase_end(version: int, sim_rank: int, steps: int, segments: int, incarnatio
     )
 
 
+@dataclass(frozen=True)
+class PhaseEnd:
+    version: int
+    sim_rank: int
+    steps: int
+    segments: int
+    incarnation: int
+
+
+def decode_phase_end(msg: Message) -> PhaseEnd:
+    m, k = msg.meta, PHASE_END
+    return PhaseEnd(
+        _int(m, "version", k),
+        _int(m, "sim_rank", k),
+        _int(m, "steps", k),
+        _int(m, "segments", k),
+        _int(m, "incarnation", k, 0),
+    )
+
+
 def sim_restart(sim_rank: int, incarnation: int) -> Message:
     """A restarted simulator's first word: what its dead predecessor shipped of the current phase is void."""
     return Message(SIM_RESTART, {"sim_rank": sim_rank, "incarnation": incarnation})
 
 
+def decode_sim_restart(msg: Message) -> Tuple[int, int]:
+    """(simulator rank, incarnation) of a `sim_restart`."""
+    return _int(msg.meta, "sim_rank", SIM_RESTART), _int(msg.meta, "incarnation", SIM_RESTART)
+
+
 def sim_done(sim_rank: int, segments: int, steps: int) -> Message:
     """A simulator's last message after a stop: it shipped `segments` segments of `steps` env steps in all."""
     return Message(SIM_DONE, {"sim_rank": sim_rank, "segments": segments, "steps": steps})
+
+
+def decode_sim_done(msg: Message) -> Tuple[int, int, int]:
+    """(simulator rank, segments, steps) of a `sim_done`."""
+    m, k = msg.meta, SIM_DONE
+    return _int(m, "sim_rank", k), _int(m, "segments", k), _int(m, "steps", k)
 
 
 def ctl(version: int, consumed_steps: int, stop: bool, taken: int = -1, waiting: int = 0) -> Message:
@@ -244,7 +382,78 @@ def ctl(version: int, consumed_steps: int, stop: bool, taken: int = -1, waiting:
     )
 
 
+@dataclass(frozen=True)
+class Ctl:
+    version: int
+    consumed_steps: int
+    stop: bool
+    taken: int
+    waiting: int
+
+
+def decode_ctl(msg: Message) -> Ctl:
+    m, k = msg.meta, CTL
+    return Ctl(
+        _int(m, "version", k),
+        _int(m, "consumed_steps", k),
+        _bool(m, "stop", k),
+        _int(m, "taken", k, -1),
+        _int(m, "waiting", k, 0),
+    )
+
+
 def offloaded(version: int, role: str, rank: int) -> Message:
     """Collocated layout: this rank's model (and optimizer state) left the GPU at its phase boundary of
     `version`, so trainer rank 0 may let the other role onto the device (`vlaslurm.runtime.offload`)."""
     return Message(OFFLOADED, {"version": version, "role": role, "rank": rank})
+
+
+def decode_offloaded(msg: Message) -> Tuple[int, str, int]:
+    """(version, role, rank) of an `offloaded` report."""
+    m, k = msg.meta, OFFLOADED
+    return _int(m, "version", k), _str(m, "role", k), _int(m, "rank", k)
+
+
+# --------------------------------------------------------------------------- what each socket takes
+
+Decoders = Mapping[str, Callable[[Message], object]]
+GENERATOR_INTAKE: Decoders = {OBS: decode_obs}  # a generator's Router
+EVAL_GENERATOR_INTAKE: Decoders = {OBS: decode_obs, SIM_DONE: decode_sim_done}  # an eval job's generator
+REPLIES: Decoders = {ACT: decode_act, HELD: decode_held}  # a simulator's Dealers
+TRAINER_INTAKE: Decoders = {  # trainer rank 0's Pull
+    SEGMENT: decode_segment,
+    PHASE_END: decode_phase_end,
+    SIM_DONE: decode_sim_done,
+    SIM_RESTART: decode_sim_restart,
+    OFFLOADED: decode_offloaded,
+}
+ANNOUNCEMENTS: Decoders = {CTL: decode_ctl}  # every Sub of the trainer's Pub
+
+
+def channel(job_key: str, name: str, *owner: object) -> str:
+    """A channel's name, which keys its messages (`transport.channel_key`): the job attempt (`job_key`,
+    which a requeue changes), what it carries (`name`: obs, act, segments, ctl) and, for a channel into one
+    of several receivers, which one (a generator's rank and pid). A message recorded on one channel is
+    refused on every other: another generator, a restarted one, or the next attempt of the job."""
+    return "/".join([job_key, name, *(str(part) for part in owner)])
+
+
+FRAME_FLOOR_BYTES = 8 << 20  # no receiving socket refuses a frame smaller than this
+ROW_BYTES = 16 << 10  # per environment or step: room for a state vector and an instruction
+ACTION_BYTES = 4 << 10  # per action of a chunk: room for its dimensions and per-token log-probs
+
+
+def max_frame_bytes(env: EnvConfig, action_chunk: int = 1) -> int:
+    """A generous bound on the largest frame any message of a run carries, for `ZMQ_MAXMSGSIZE` on every
+    receiving socket: twice the largest array (an observation request of every environment at once, or a
+    segment of `MAX_SEGMENT_STEPS` + 1 observations), plus the floor."""
+    rows = max(env.num_envs, MAX_SEGMENT_STEPS + 1)
+    cameras = len(env.obs.cameras) if env.obs.image_size else 0
+    images = rows * cameras * env.obs.image_size**2 * 3
+    other = rows * (ROW_BYTES + max(1, action_chunk) * ACTION_BYTES)
+    return 2 * max(images, other) + FRAME_FLOOR_BYTES
+
+
+def generator_channels(job_key: str, rank: int, pid: int) -> Dict[str, str]:
+    """The channels of generator `rank` (process `pid`): requests in, replies out (Router/Dealer kwargs)."""
+    return {"channel": channel(job_key, OBS, rank, pid), "reply_channel": channel(job_key, ACT, rank, pid)}

@@ -129,9 +129,9 @@ class OffloadReporter:
     """A rank's word to trainer rank 0 that its state left the GPU (the `offloaded` message, sent into the
     trainer's intake beside the segments: signed like every message, never pickled)."""
 
-    def __init__(self, secret: bytes, endpoint: str, role: str, rank: int) -> None:
+    def __init__(self, secret: bytes, endpoint: str, role: str, rank: int, channel: str = "segments") -> None:
         self.role, self.rank = role, rank
-        self.push = Push(secret, name="offloaded->trainer[0]")
+        self.push = Push(secret, channel=channel, name="offloaded->trainer[0]")  # the trainer's intake channel
         self.push.connect(endpoint)
 
     @classmethod
@@ -139,7 +139,8 @@ class OffloadReporter:
         """The reporter of rank `ctx` of `role` (a RankContext); None outside the collocated `layout`."""
         if not offloads(layout):
             return None
-        return cls(ctx.secret, ctx.member("trainer", 0).endpoint("segments"), role, ctx.rank)
+        endpoint = ctx.member("trainer", 0).endpoint("segments")
+        return cls(ctx.secret, endpoint, role, ctx.rank, msgs.channel(ctx.job_key, "segments"))
 
     def __call__(self, version: int) -> None:
         self.push.send(msgs.offloaded(version, self.role, self.rank))

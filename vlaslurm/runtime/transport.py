@@ -1,9 +1,12 @@
 """Authenticated, pickle-free messages over ZeroMQ.
 
 A `Message` is a kind, a small msgpack-able `meta` dict and named numpy arrays, sent as a signed
-header frame (HMAC-SHA256, keyed by the run secret) and one raw frame per array. Receivers drop
-and count messages that are malformed or fail the MAC; received arrays are read-only views.
-Sockets are not thread-safe: use each one from a single thread.
+header frame (HMAC-SHA256) and one raw frame per array. Each channel has its own key derived from
+the run secret, and the signed header names the channel, the sending socket's random session and
+its sequence number: receivers drop and count (by reason) messages that are malformed, forged,
+meant for another channel, of a kind the socket does not take, or replayed. Receiving sockets
+refuse frames larger than their `max_frame_bytes` before buffering them; received arrays are
+read-only views. Sockets are not thread-safe: use each one from a single thread.
 Details (wire format): docs/runtime.md
 """
 
@@ -13,14 +16,17 @@ import hashlib
 import hmac
 import logging
 import math
+import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Generic, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Generic, Iterable, Mapping, Optional, Sequence, TypeVar
 
 import msgpack
 import numpy as np
 import zmq
 
+from vlaslurm.rundir.secret import derive_key
 from vlaslurm.runtime.netaddr import bind_address
 
 log = logging.getLogger("vlaslurm.transport")
@@ -32,8 +38,14 @@ __all__ = [
     "TransportError",
     "SendTimeout",
     "PeerUnreachable",
+    "Origin",
+    "ReplayGuard",
+    "channel_key",
+    "routing_id",
+    "rejection_counts",
     "encode",
     "decode",
+    "decode_signed",
     "Router",
     "Dealer",
     "Push",
@@ -44,8 +56,14 @@ __all__ = [
     "bind_address",
 ]
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 MAC_BYTES = 32
+SESSION_BYTES = 16
+MAX_SESSION_BYTES = 64
+REPLAY_WINDOW = 1024  # sequence numbers per sender session below the highest seen that may still arrive
+MAX_SESSIONS = 4096  # sender sessions a receiving socket remembers (the least recently heard go first)
+DEFAULT_CHANNEL = "default"
+REJECT_REASONS = ("malformed", "mac", "channel", "kind", "replay", "out_of_window", "content")
 MIN_KEY_BYTES = 16
 ALLOWED_DTYPES = frozenset(
     np.dtype(name).newbyteorder("<").str
@@ -73,7 +91,12 @@ _LOG_EVERY_REJECTS = 1000
 
 
 class WireError(ValueError):
-    """A received message is malformed or not authentic."""
+    """A received message is malformed, not authentic, or not for the socket; `reason` names which
+    (one of `REJECT_REASONS`)."""
+
+    def __init__(self, message: str, reason: str = "malformed") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class TransportError(RuntimeError):
@@ -100,6 +123,17 @@ class Message:
 # --------------------------------------------------------------------------- encoding
 
 
+def channel_key(secret: bytes, channel: str) -> bytes:
+    """The key that signs `channel`'s messages: a message signed for one channel fails on every other."""
+    return derive_key(_check_key(secret), f"vlaslurm.transport:{channel}")
+
+
+def routing_id(label: str) -> bytes:
+    """A Dealer's routing id: `label` (for the logs) and 96 random bits, so no other process can claim it
+    first and take the replies (a Router refuses a second peer with an id it already has)."""
+    return f"{label[:200]}-{secrets.token_hex(12)}".encode()
+
+
 def _wire_array(name: str, array: np.ndarray) -> np.ndarray:
     array = np.asarray(array)
     dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
@@ -120,11 +154,22 @@ def _mac(key: bytes, signed: bytes, frames: Iterable[memoryview]) -> bytes:
     return digest.digest()
 
 
-def encode(message: Message, key: bytes) -> list[Any]:
-    """The frames of `message`, signed with `key` (frame 0 bytes, then array buffers)."""
+@dataclass(frozen=True)
+class Origin:
+    """Who signed a message: its channel, the sending socket's session and the message's number in it."""
+
+    channel: str
+    session: bytes
+    seq: int
+
+
+def encode(message: Message, key: bytes, *, channel: str = "", session: bytes = b"", seq: int = 0) -> list[Any]:
+    """The frames of `message`, signed with `key` (frame 0 bytes, then array buffers); `channel`,
+    `session` and `seq` travel inside the signed header (a socket fills them in)."""
     arrays = {name: _wire_array(name, a) for name, a in message.arrays.items()}
     specs = [{"name": n, "dtype": a.dtype.str, "shape": list(a.shape)} for n, a in arrays.items()]
-    signed = msgpack.packb({"kind": message.kind, "meta": message.meta, "arrays": specs}, use_bin_type=True)
+    header = {"kind": message.kind, "meta": message.meta, "arrays": specs, "ch": channel, "sid": session, "seq": seq}
+    signed = msgpack.packb(header, use_bin_type=True)
     raws = [_raw(a) for a in arrays.values()]
     envelope = msgpack.packb({"v": WIRE_VERSION, "h": signed, "mac": _mac(key, signed, raws)}, use_bin_type=True)
     return [envelope, *raws]
@@ -158,26 +203,89 @@ def _array_from(spec: Any, frame: memoryview) -> tuple[str, np.ndarray]:
     return name, np.frombuffer(frame, dtype=dtype).reshape(shape)
 
 
-def decode(frames: Sequence[Any], key: bytes) -> Message:
-    """The message in `frames` (bytes, memoryviews or zmq.Frame); WireError if malformed or forged."""
+def decode_signed(frames: Sequence[Any], key: bytes) -> tuple[Message, Origin]:
+    """The message in `frames` and who signed it; WireError if malformed or forged."""
     if not frames:
         raise WireError("empty message")
     buffers = [memoryview(f.buffer if isinstance(f, zmq.Frame) else f).cast("B") for f in frames]
     signed, mac = _unpack_envelope(bytes(buffers[0]))
     if not hmac.compare_digest(mac, _mac(key, signed, buffers[1:])):
-        raise WireError("bad MAC (wrong run secret or tampered message)")
-    header = msgpack.unpackb(signed, raw=False)
-    specs = header.get("arrays")
+        raise WireError("bad MAC (wrong run secret, another channel's key, or a tampered message)", reason="mac")
+    try:
+        header = msgpack.unpackb(signed, raw=False)
+    except Exception as err:  # signed by a key holder, yet not msgpack: still never a crash
+        raise WireError(f"undecodable signed header ({type(err).__name__})") from None
+    if not isinstance(header, dict):
+        raise WireError("signed header is not a map")
+    specs, session, seq = header.get("arrays"), header.get("sid"), header.get("seq")
     if (
         not isinstance(header.get("kind"), str)
         or not isinstance(header.get("meta"), dict)
         or not isinstance(specs, list)
+        or not isinstance(header.get("ch"), str)
+        or not isinstance(session, bytes)
+        or len(session) > MAX_SESSION_BYTES
+        or not isinstance(seq, int)
+        or isinstance(seq, bool)
+        or seq < 0
     ):
-        raise WireError("signed header lacks kind/meta/arrays")
+        raise WireError("signed header lacks kind/meta/arrays/ch/sid/seq")
     if len(specs) != len(buffers) - 1:
         raise WireError(f"header lists {len(specs)} arrays but {len(buffers) - 1} frames arrived")
     arrays = dict(_array_from(spec, buf) for spec, buf in zip(specs, buffers[1:]))
-    return Message(kind=header["kind"], meta=header["meta"], arrays=arrays)
+    return Message(kind=header["kind"], meta=header["meta"], arrays=arrays), Origin(header["ch"], session, seq)
+
+
+def decode(frames: Sequence[Any], key: bytes) -> Message:
+    """The message in `frames` (bytes, memoryviews or zmq.Frame); WireError if malformed or forged."""
+    return decode_signed(frames, key)[0]
+
+
+class ReplayGuard:
+    """Which (session, sequence number) pairs a receiving socket has taken.
+
+    Per sender session: the highest number seen and which of the `window` numbers below it were
+    seen. A number seen before is a replay; one `window` or more below the highest is out of the
+    window (refused: it cannot be told from a replay). The first message of a session opens it; the
+    least recently heard sessions are forgotten past `max_sessions`.
+    """
+
+    def __init__(self, window: int = REPLAY_WINDOW, max_sessions: int = MAX_SESSIONS) -> None:
+        self.window, self.max_sessions = window, max_sessions
+        self._mask = (1 << window) - 1
+        self._sessions: OrderedDict[bytes, list[int]] = OrderedDict()  # session -> [highest, bitmap of seen]
+
+    def check(self, session: bytes, seq: int) -> str | None:
+        """None if (session, seq) is new (and remember it); else the reason to refuse it."""
+        state = self._sessions.get(session)
+        if state is None:
+            self._sessions[session] = [seq, 1]
+            if len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+            return None
+        self._sessions.move_to_end(session)
+        highest, seen = state
+        if seq > highest:
+            shift = seq - highest
+            state[0], state[1] = seq, ((seen << shift) | 1) & self._mask if shift < self.window else 1
+            return None
+        offset = highest - seq
+        if offset >= self.window:
+            return "out_of_window"
+        if (seen >> offset) & 1:
+            return "replay"
+        state[1] = seen | (1 << offset)
+        return None
+
+
+def rejection_counts(*sockets: Any) -> dict[str, float]:
+    """What receiving `sockets` dropped, for a rank's counters: `rejected_messages` in all and
+    `rejected_<reason>` per reason (`REJECT_REASONS`)."""
+    out: dict[str, float] = {"rejected_messages": float(sum(s.rejected for s in sockets))}
+    for sock in sockets:
+        for reason, count in getattr(sock, "rejections", {}).items():
+            out[f"rejected_{reason}"] = out.get(f"rejected_{reason}", 0.0) + count
+    return out
 
 
 # --------------------------------------------------------------------------- sockets
@@ -197,34 +305,64 @@ def _peer_address(frame: Any) -> str:
 
 
 _S = TypeVar("_S", bound="_Socket")
+Accepts = Mapping[str, Optional[Callable[[Message], object]]]
 
 
 class _Socket:
-    """What every wrapper shares: options, bind/connect, signed send, verified receive."""
+    """What every wrapper shares: options, bind/connect, signed send, verified receive.
+
+    `key` is the run secret; each socket signs with `channel_key(key, send channel)` and verifies with
+    `channel_key(key, receive channel)`. Both are `channel` unless `reply_channel` is given, which a
+    Dealer receives on and a Router sends on. `accepts` maps each message kind a receiving socket takes
+    to a check of its content (None: none; a check raises WireError, or anything, for a bad message);
+    other kinds are refused. `max_frame_bytes` (ZMQ_MAXMSGSIZE) disconnects a peer that sends a larger
+    frame, before it is buffered.
+    """
 
     socket_type: int = -1
     default_hwm: int = 1000
+    _receives_replies = True  # a Dealer receives on reply_channel; a Router receives on channel
 
     def __init__(
         self,
         key: bytes,
         *,
+        channel: str = DEFAULT_CHANNEL,
+        reply_channel: str | None = None,
         name: str = "",
+        accepts: Accepts | None = None,
+        max_frame_bytes: int | None = None,
         hwm: int | None = None,
         linger_ms: int = DEFAULT_LINGER_MS,
         send_timeout_ms: int = DEFAULT_SEND_TIMEOUT_MS,
         context: zmq.Context | None = None,
     ) -> None:
-        self.key = _check_key(key)
+        secret = _check_key(key)
+        reply = channel if reply_channel is None else reply_channel
+        self.send_channel, self.recv_channel = (channel, reply) if self._receives_replies else (reply, channel)
+        self._send_key = channel_key(secret, self.send_channel)
+        self._recv_key = channel_key(secret, self.recv_channel)
         self.name = name or type(self).__name__.lower()
+        self.accepts = None if accepts is None else dict(accepts)
         self.send_timeout_ms = send_timeout_ms
-        self.rejected = 0
+        self.session = secrets.token_bytes(SESSION_BYTES)  # names this socket's messages; never reused
+        self._seq = 0
+        self.replays = ReplayGuard()
+        self.rejections: dict[str, int] = {}
         self.endpoints: list[str] = []
         self.socket = (context or zmq.Context.instance()).socket(self.socket_type)
         self.socket.setsockopt(zmq.LINGER, linger_ms)
         self._sndtimeo = -1  # the socket's current SNDTIMEO (ZeroMQ's default: block)
         self.socket.setsockopt(zmq.SNDHWM, hwm or self.default_hwm)
         self.socket.setsockopt(zmq.RCVHWM, hwm or self.default_hwm)
+        self.max_frame_bytes = max_frame_bytes
+        if max_frame_bytes:  # before bind/connect: the limit is read per connection
+            self.socket.setsockopt(zmq.MAXMSGSIZE, int(max_frame_bytes))
+
+    @property
+    def rejected(self) -> int:
+        """Messages dropped so far, for every reason."""
+        return sum(self.rejections.values())
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, {self.endpoints})"
@@ -264,8 +402,10 @@ class _Socket:
         if timeout_ms != self._sndtimeo:
             self.socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
             self._sndtimeo = timeout_ms
+        frames = encode(message, self._send_key, channel=self.send_channel, session=self.session, seq=self._seq)
+        self._seq += 1  # a number is never signed twice, even if this send fails
         try:
-            self.socket.send_multipart(prefix + encode(message, self.key), copy=True)
+            self.socket.send_multipart(prefix + frames, copy=True)
         except zmq.Again:
             raise SendTimeout(
                 f"{self.name}: sending {message.kind!r} to {self.endpoints} timed out after "
@@ -286,25 +426,58 @@ class _Socket:
             try:
                 if len(frames) < prefix_len + 1:
                     raise WireError(f"{len(frames)} frames, expected at least {prefix_len + 1}")
-                return frames[:prefix_len], decode(frames[prefix_len:], self.key)
+                return frames[:prefix_len], self._verify(frames[prefix_len:])
             except WireError as err:
                 self._reject(frames, prefix_len, err)
             if remaining_ms == 0:
                 return None
 
+    def _verify(self, frames: list[Any]) -> Message:
+        """The message in `frames` if it is authentic, for this socket, of a kind it takes, and new."""
+        message, origin = decode_signed(frames, self._recv_key)
+        if origin.channel != self.recv_channel:  # the key already differs; this names the mistake
+            raise WireError(f"signed for channel {origin.channel!r}, not {self.recv_channel!r}", reason="channel")
+        if self.accepts is not None and message.kind not in self.accepts:
+            raise WireError(f"kind {message.kind!r} is not taken here (takes {sorted(self.accepts)})", reason="kind")
+        why = self.replays.check(origin.session, origin.seq)
+        if why is not None:
+            raise WireError(
+                f"{'repeated' if why == 'replay' else 'out-of-window'} message {origin.seq} of sender session "
+                f"{origin.session.hex()[:12]} (a replay)",
+                reason=why,
+            )
+        check = None if self.accepts is None else self.accepts[message.kind]
+        if check is not None:
+            try:
+                check(message)
+            except WireError as err:
+                raise WireError(f"bad {message.kind!r} message: {err}", reason="content") from None
+            except Exception as err:  # noqa: BLE001 - a check that trips over odd content refuses it
+                what = f"{type(err).__name__}: {err}"
+                raise WireError(f"bad {message.kind!r} message: {what}", reason="content") from None
+        return message
+
     def _reject(self, frames: list[Any], prefix_len: int, err: WireError) -> None:
-        self.rejected += 1
-        if self.rejected <= _LOG_FIRST_REJECTS or self.rejected % _LOG_EVERY_REJECTS == 0:
+        count = self.rejections[err.reason] = self.rejections.get(err.reason, 0) + 1
+        if count <= _LOG_FIRST_REJECTS or count % _LOG_EVERY_REJECTS == 0:
             peer = frames[0].bytes.hex() if prefix_len else _peer_address(frames[-1])
             log.warning(
-                "%s: dropped message from peer %s: %s (rejected so far: %d)", self.name, peer, err, self.rejected
+                "%s: dropped message from peer %s: %s (rejected so far: %d, %d for %s)",
+                self.name,
+                peer,
+                err,
+                self.rejected,
+                count,
+                err.reason,
             )
 
 
 class Router(_Socket):
-    """Serves many Dealers: ``recv`` returns (peer id, message); ``send`` replies to one peer."""
+    """Serves many Dealers: ``recv`` returns (peer id, message); ``send`` replies to one peer.
+    Receives on `channel`, replies on `reply_channel`."""
 
     socket_type = zmq.ROUTER
+    _receives_replies = False
 
     def __init__(self, key: bytes, **kwargs: Any) -> None:
         super().__init__(key, **kwargs)
@@ -326,14 +499,15 @@ class Router(_Socket):
 
 
 class Dealer(_Socket):
-    """Talks to a Router; `identity` (e.g. b"simulator-3") names it in the Router's logs."""
+    """Talks to a Router: sends on `channel`, receives replies on `reply_channel`. Its routing id is
+    `identity`, or by default `routing_id(name)` (unpredictable: nobody can claim it first)."""
 
     socket_type = zmq.DEALER
 
     def __init__(self, key: bytes, identity: bytes | None = None, **kwargs: Any) -> None:
         super().__init__(key, **kwargs)
-        if identity:
-            self.socket.setsockopt(zmq.ROUTING_ID, identity)
+        self.identity = identity or routing_id(self.name)
+        self.socket.setsockopt(zmq.ROUTING_ID, self.identity)
 
     def send(self, message: Message, timeout_ms: int | None = None) -> None:
         self._send([], message, timeout_ms)

@@ -9,6 +9,7 @@ GPU for the trainer's update. Details: docs/runtime.md
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
@@ -24,7 +25,7 @@ from vlaslurm.runtime import signals
 from vlaslurm.runtime.context import RankContext, meet, world_roles
 from vlaslurm.runtime.offload import HOST, Offloader, OffloadReporter, offloads
 from vlaslurm.runtime.schedule import Schedule
-from vlaslurm.runtime.transport import PeerUnreachable, Poller, Router, Sub
+from vlaslurm.runtime.transport import PeerUnreachable, Poller, Router, Sub, rejection_counts
 from vlaslurm.runtime.weights import make_subscriber, wait_for_version
 from vlaslurm.spec.model_types import ModelConfig
 from vlaslurm.spec.schema import ExperimentSpec, Layout, RolloutConfig
@@ -44,6 +45,7 @@ class GeneratorConfig:
     steps_per_update: int
     layout: Layout  # resources.layout: collocated, the model leaves the GPU for the trainer's update
     max_restarts: int  # resources.generator.max_restarts: > 0, its served record is written before it replies
+    max_frame_bytes: int = msgs.FRAME_FLOOR_BYTES  # larger frames are refused unread (`msgs.max_frame_bytes`)
 
     @classmethod
     def from_spec(cls, spec: ExperimentSpec) -> GeneratorConfig:
@@ -52,7 +54,8 @@ class GeneratorConfig:
             spec.rollout,
             spec.algo.steps_per_update,
             spec.resources.layout,
-            spec.resources.generator.max_restarts,
+            spec.max_restarts("generator"),
+            msgs.max_frame_bytes(spec.env, spec.model.action_chunk),
         )
 
 
@@ -140,7 +143,13 @@ class Generator:
         dims = ctx.member("simulator", 0).extra
         collocated = offloads(cfg.layout)  # then the trainer may hold the GPU now: start on the host
         self.policy = build_policy(cfg.model, **dims).to(HOST if collocated else ctx.device).eval()
-        self.sub = Sub(ctx.secret, name="ctl<-trainer[0]")
+        self.sub = Sub(
+            ctx.secret,
+            channel=msgs.channel(ctx.job_key, msgs.CTL),
+            name="ctl<-trainer[0]",
+            accepts=msgs.ANNOUNCEMENTS,
+            max_frame_bytes=cfg.max_frame_bytes,
+        )
         self.sub.connect(ctx.member("trainer", 0).endpoint("ctl"))
         self.poller = Poller(router, self.sub)
         self.weights = make_subscriber(
@@ -190,18 +199,20 @@ class Generator:
     def receive(self, timeout_s: float) -> None:
         for sock in self.poller.poll(int(timeout_s * 1000)):
             if sock is self.sub:
-                while (ctl := self.sub.recv(0)) is not None:
-                    self.stop = self.stop or bool(ctl.meta["stop"])
-                    self.consumed_steps = max(self.consumed_steps, int(ctl.meta["consumed_steps"]))
-                    self.waiting_steps = int(ctl.meta.get("waiting", 0))  # the latest: it may go down
-                    self.announced = max(self.announced, int(ctl.meta["version"]))
-                    self.taken = max(self.taken, int(ctl.meta.get("taken", -1)))
-            else:  # the router, the poller's only other socket
+                while (msg := self.sub.recv(0)) is not None:  # checked by the socket (msgs.ANNOUNCEMENTS)
+                    ctl = msgs.decode_ctl(msg)
+                    self.stop = self.stop or ctl.stop
+                    self.consumed_steps = max(self.consumed_steps, ctl.consumed_steps)
+                    self.waiting_steps = ctl.waiting  # the latest: it may go down
+                    self.announced = max(self.announced, ctl.version)
+                    self.taken = max(self.taken, ctl.taken)
+            else:  # the router, the poller's only other socket; it takes only `obs` (msgs.GENERATOR_INTAKE)
                 while (got := self.router.recv(0)) is not None:
                     peer, msg = got
                     self.batcher.pending.append(Pending(peer, msgs.decode_obs(msg), time.monotonic()))
         self.counters.sample("queue_len", sum(len(p.request) for p in self.batcher.pending))
-        self.counters.set("rejected_messages", self.router.rejected + self.sub.rejected)  # bad or missing MAC
+        for name, count in rejection_counts(self.router, self.sub).items():  # forged, replayed, wrong kind, ...
+            self.counters.set(name, count)
 
     def poll_weights(self):
         """New weights, if any. Asking costs a round trip to the trainer's store, so ask when the trainer
@@ -321,7 +332,13 @@ class Generator:
 def run(ctx: RankContext, cfg: GeneratorConfig) -> int:
     """Entry point of a generator rank."""
     signals.install(drain_on_term=False)  # USR2 never kills a generator: the trainer's stop ends it
-    router = Router(ctx.secret, name=f"generator[{ctx.rank}]")
+    router = Router(
+        ctx.secret,
+        **msgs.generator_channels(ctx.job_key, ctx.rank, os.getpid()),  # the pid its rendezvous file names
+        name=f"generator[{ctx.rank}]",
+        accepts=msgs.GENERATOR_INTAKE,
+        max_frame_bytes=cfg.max_frame_bytes,
+    )
     router.bind(ctx.address)
     meet(ctx, ports={"obs": router.port}, roles=world_roles(cfg.rollout.weight_sync))
     gen = Generator(cfg, ctx, router)

@@ -34,13 +34,13 @@ from vlaslurm.runtime import signals
 from vlaslurm.runtime.context import RankContext, meet, world_roles
 from vlaslurm.runtime.episodes import ChunkResult, EnvObs, EnvTrack, mix_seed, run_chunk, split_obs, stack_obs
 from vlaslurm.runtime.schedule import Schedule
-from vlaslurm.runtime.transport import Dealer, Poller, Push, SendTimeout, Sub
+from vlaslurm.runtime.transport import Dealer, Poller, Push, SendTimeout, Sub, rejection_counts, routing_id
 from vlaslurm.spec.env_types import EnvConfig
 from vlaslurm.spec.model_types import ModelConfig
 from vlaslurm.spec.schema import ExperimentSpec, RolloutConfig
 
 log = get_logger("vlaslurm.simulator")
-MAX_SEGMENT_STEPS = 64
+MAX_SEGMENT_STEPS = msgs.MAX_SEGMENT_STEPS
 
 
 @dataclass
@@ -71,23 +71,35 @@ class SimulatorConfig:
     def schedule(self) -> Schedule:
         return Schedule.of(self.rollout, self.steps_per_update, self.group_size)
 
+    @property
+    def max_frame_bytes(self) -> int:
+        """Larger frames are refused unread by this rank's sockets."""
+        return msgs.max_frame_bytes(self.env, self.action_chunk)
+
 
 class SimulatorIO:
     """The simulator's sockets: one Dealer per generator, a Push to the trainer, a Sub to its announcements."""
 
-    def __init__(self, ctx: RankContext, schedule: Schedule) -> None:
-        self.ctx, self.schedule = ctx, schedule
+    def __init__(self, ctx: RankContext, schedule: Schedule, max_frame_bytes: int = msgs.FRAME_FLOOR_BYTES) -> None:
+        self.ctx, self.schedule, self.max_frame_bytes = ctx, schedule, max_frame_bytes
         gens = ctx.info.ranks["generator"]
         self.dealers = [self._dealer(g, ctx.member("generator", g)) for g in range(gens)]
         self.gen_pids = [ctx.member("generator", g).pid for g in range(gens)]
         self.inflight: Dict[int, tuple] = {}  # first env id of a request -> (generator, request message)
         self.reconnects = 0
         self.duplicates = 0  # replies to requests already answered (dropped)
+        self.retired: List[Dealer] = []  # closed Dealers to restarted generators: their rejections still count
         self._next_look = 0.0
         trainer = ctx.member("trainer", 0)
-        self.push = Push(ctx.secret, name="segments->trainer[0]")
+        self.push = Push(ctx.secret, channel=msgs.channel(ctx.job_key, "segments"), name="segments->trainer[0]")
         self.push.connect(trainer.endpoint("segments"))
-        self.sub = Sub(ctx.secret, name="ctl<-trainer[0]")
+        self.sub = Sub(
+            ctx.secret,
+            channel=msgs.channel(ctx.job_key, msgs.CTL),
+            name="ctl<-trainer[0]",
+            accepts=msgs.ANNOUNCEMENTS,
+            max_frame_bytes=max_frame_bytes,
+        )
         self.sub.connect(trainer.endpoint("ctl"))
         self.poller: Poller[Union[Sub, Dealer]] = Poller(self.sub, *self.dealers)
         self.outstanding = [0] * gens
@@ -100,8 +112,14 @@ class SimulatorIO:
         self.held: List[int] = []  # env ids whose requests a generator holds (async `hold`)
 
     def _dealer(self, g: int, member) -> Dealer:
-        identity = f"simulator-{self.ctx.rank}-{os.getpid()}".encode()  # a restarted simulator is a new peer
-        dealer = Dealer(self.ctx.secret, identity=identity, name=f"obs->generator[{g}]")
+        dealer = Dealer(
+            self.ctx.secret,
+            identity=routing_id(f"simulator-{self.ctx.rank}"),  # unpredictable: nobody can take our replies
+            **msgs.generator_channels(self.ctx.job_key, g, member.pid),  # this generator process only
+            name=f"obs->generator[{g}]",
+            accepts=msgs.REPLIES,
+            max_frame_bytes=self.max_frame_bytes,
+        )
         dealer.connect(member.endpoint("obs"))
         return dealer
 
@@ -137,6 +155,7 @@ class SimulatorIO:
             )
             self.poller.unregister(self.dealers[g])
             self.dealers[g].close()
+            self.retired.append(self.dealers[g])
             self.dealers[g] = self._dealer(g, member)
             self.poller.register(self.dealers[g])
             self.gen_pids[g] = member.pid
@@ -164,10 +183,9 @@ class SimulatorIO:
         """Replies that arrived within `timeout_ms`; also takes in the trainer's announcements."""
         replies = []
         for sock in self.poller.poll(timeout_ms):
-            while (msg := sock.recv(0)) is not None:
+            while (msg := sock.recv(0)) is not None:  # each socket takes only its kinds, checked (msgs.REPLIES)
                 if msg.kind == msgs.CTL:
-                    self.version = max(self.version, int(msg.meta["version"]))
-                    self.stop = self.stop or bool(msg.meta["stop"])
+                    self._announced(msg)
                 elif msg.kind == msgs.ACT:
                     reply = msgs.decode_act(msg)
                     if self.inflight.pop(reply.env_ids[0], None) is None:
@@ -186,9 +204,20 @@ class SimulatorIO:
                     self.waiting_since[reply.gen_rank] = time.monotonic()
                     replies.append(reply)
                 elif msg.kind == msgs.HELD:
-                    self.held += msg.meta["env_ids"]
-                    self.waiting_since[int(msg.meta["gen_rank"])] = time.monotonic()  # held, not gone
+                    env_ids, gen_rank = msgs.decode_held(msg)
+                    self.held += env_ids
+                    if 0 <= gen_rank < len(self.waiting_since):
+                        self.waiting_since[gen_rank] = time.monotonic()  # held, not gone
         return replies
+
+    def _announced(self, msg) -> None:
+        ctl = msgs.decode_ctl(msg)
+        self.version = max(self.version, ctl.version)
+        self.stop = self.stop or ctl.stop
+
+    def rejections(self) -> Dict[str, float]:
+        """What this rank's sockets dropped (`transport.rejection_counts`), for its counters."""
+        return rejection_counts(self.sub, *self.dealers, *self.retired)
 
     def ship(self, segments: List[msgs.Segment]) -> None:
         """Send segments to the trainer (back-pressure blocks here) and count them."""
@@ -219,8 +248,7 @@ class SimulatorIO:
     def _take_ctl(self) -> None:
         while (msg := self.sub.recv(0)) is not None:
             if msg.kind == msgs.CTL:
-                self.version = max(self.version, int(msg.meta["version"]))
-                self.stop = self.stop or bool(msg.meta["stop"])
+                self._announced(msg)
 
     def close(self) -> None:
         for sock in (*self.dealers, self.push, self.sub):
@@ -350,7 +378,10 @@ class Simulator:
     def cut_all(self) -> List[msgs.Segment]:
         return [t.cut() for t in self.tracks if t.has_steps()]
 
-    def tick(self, version: int) -> None:
+    def tick(self, version: int, io: Optional[SimulatorIO] = None) -> None:
+        if io is not None:
+            for name, count in io.rejections().items():
+                self.counters.set(name, count)
         self.counters.maybe_write()
         self.heartbeat.beat(version, f"env_steps={self.env_steps}")
 
@@ -360,6 +391,8 @@ class Simulator:
         self.counters.set("generator_reconnects", io.reconnects)
         self.counters.set("duplicate_replies", io.duplicates)
         self.counters.set("shipped_steps", io.shipped_steps)
+        for name, count in io.rejections().items():
+            self.counters.set(name, count)
         self.counters.maybe_write(force=True)
         self.heartbeat.beat(None, f"finished env_steps={self.env_steps}", force=True)
         if close_env:
@@ -377,7 +410,7 @@ def wait_version(sim: Simulator, io: SimulatorIO, version: int) -> None:
                 f"{limit:g} s (last seen: {io.version})"
             )
         io.poll(100)
-        sim.tick(io.version)
+        sim.tick(io.version, io)
 
 
 class StuckStep(TimeoutError):
@@ -538,7 +571,7 @@ def run_phase(
             return False
         io.check_deadlines()
         stepper.check()
-        sim.tick(version)
+        sim.tick(version, io)
     return True
 
 
@@ -562,7 +595,7 @@ def async_loop(sim: Simulator, io: SimulatorIO) -> None:
             io.held.clear()
             io.check_deadlines()
             stepper.check()
-            sim.tick(io.version)
+            sim.tick(io.version, io)
     finally:
         stepper.close()
     for local, reply, result in stepper.finished():  # chunks that ended after the stop still count
@@ -635,7 +668,7 @@ def run(ctx: RankContext, cfg: SimulatorConfig) -> int:
         log.info("%s", report.text())
     env = make_env(cfg.env, num_envs=local_count, rank=ctx.rank, seed=cfg.rollout.seed, group_size=cfg.group_size)
     meet(ctx, ports={}, extra=env_dims(env, cfg.env), roles=world_roles(cfg.rollout.weight_sync))
-    io = SimulatorIO(ctx, cfg.schedule)
+    io = SimulatorIO(ctx, cfg.schedule, cfg.max_frame_bytes)
     if incarnation:
         io.send_to_trainer(msgs.sim_restart(ctx.rank, incarnation))
     # A restarted or resumed simulator numbers its episodes past any of its predecessors (run clock in ms).

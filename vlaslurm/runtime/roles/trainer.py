@@ -34,7 +34,7 @@ from vlaslurm.runtime.failures import FailureKeeper
 from vlaslurm.runtime.ledger import Ledger
 from vlaslurm.runtime.offload import Offloader, OffloadReporter, OffloadReports, offloads
 from vlaslurm.runtime.schedule import Schedule
-from vlaslurm.runtime.transport import Pub, Pull
+from vlaslurm.runtime.transport import Pub, Pull, rejection_counts
 from vlaslurm.runtime.weights import make_publisher
 from vlaslurm.spec.algo_types import AlgoConfig
 from vlaslurm.spec.model_types import ModelConfig
@@ -56,11 +56,19 @@ class TrainerConfig:
     tracking: TrackingConfig
     layout: Layout  # resources.layout: collocated, model and optimizer leave the GPU during rollouts
     trainer: TrainerSpec = field(default_factory=TrainerSpec)  # the spec's `trainer:`: micro-batches, optimizer
+    max_frame_bytes: int = msgs.FRAME_FLOOR_BYTES  # larger frames are refused unread (`msgs.max_frame_bytes`)
 
     @classmethod
     def from_spec(cls, spec: ExperimentSpec) -> TrainerConfig:
         return cls(
-            spec.algo, spec.model, spec.rollout, spec.checkpoint, spec.tracking, spec.resources.layout, spec.trainer
+            spec.algo,
+            spec.model,
+            spec.rollout,
+            spec.checkpoint,
+            spec.tracking,
+            spec.resources.layout,
+            spec.trainer,
+            msgs.max_frame_bytes(spec.env, spec.model.action_chunk),
         )
 
 
@@ -183,7 +191,8 @@ class Collector:
                 self.offloads.add(int(msg.meta["version"]), str(msg.meta["role"]), int(msg.meta["rank"]))
             msg = self.pull.recv(0)
         self.counters.sample("buffered_steps", self.buffered_steps)
-        self.counters.set("rejected_messages", self.pull.rejected)  # bad or missing MAC: never decoded
+        for name, count in rejection_counts(self.pull).items():  # forged, replayed, wrong kind...: never decoded
+            self.counters.set(name, count)
 
     def _restarted(self, rank: int, incarnation: int) -> None:
         """A simulator's worker was restarted. In the lock-step modes its new incarnation redoes the current
@@ -404,7 +413,14 @@ def run(ctx: RankContext, cfg: TrainerConfig) -> int:
     ports = {}
     if ctx.rank == 0:
         _forget_published_weights(ctx)
-        pull, pub = Pull(ctx.secret, name="segments"), Pub(ctx.secret, name="ctl")
+        pull = Pull(  # every message it takes is checked by its kind's decoder (msgs.TRAINER_INTAKE)
+            ctx.secret,
+            channel=msgs.channel(ctx.job_key, "segments"),
+            name="segments",
+            accepts=msgs.TRAINER_INTAKE,
+            max_frame_bytes=cfg.max_frame_bytes,
+        )
+        pub = Pub(ctx.secret, channel=msgs.channel(ctx.job_key, msgs.CTL), name="ctl")
         pull.bind(ctx.address)
         pub.bind(ctx.address)
         ports = {"segments": pull.port, "ctl": pub.port}
