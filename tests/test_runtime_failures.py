@@ -33,6 +33,7 @@ def test_async_simulator_names_a_silent_generator(tmp_path: Path) -> None:
     # weight receive, and the first error would be about that instead.
     spec = synthetic_spec("async", total_env_steps=10**6, max_staleness=1000, weight_sync="filesystem")
     spec["runtime"]["timeout_s"] = TIMEOUT_S
+    spec["resources"] = {"simulator": {"max_restarts": 0}}  # fail fast: no restart of the failing simulator
     run_dir = tmp_path / "run"
     result = {}
     runner = threading.Thread(
@@ -87,6 +88,7 @@ def test_a_step_that_never_returns_fails_its_rank_within_the_deadline(tmp_path: 
     monkeypatch.setenv("VLASLURM_SYNTHETIC_HANG", "1:5")
     spec = synthetic_spec("sync", total_env_steps=2000)
     spec["runtime"]["timeout_s"] = TIMEOUT_S
+    spec["resources"] = {"simulator": {"max_restarts": 0}}  # fail fast: a restart would hang the same way
     started = time.monotonic()
     run = run_spec(tmp_path, spec, ["runtime.local_ranks={simulator: 1, generator: 2, trainer: 2}"], timeout_s=90)
     assert run.rc != 0

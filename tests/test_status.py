@@ -48,7 +48,7 @@ def test_status_names_the_stalled_role(tmp_path: Path) -> None:
     assert "simulator-1" in text and "v6" in text and "env_steps=400" in text
     stalled = [line for line in text.splitlines() if line.startswith("STALLED")]
     assert len(stalled) == 1 and "simulator-1: no heartbeat for " in stalled[0], text
-    assert "simulator[1] restarted (1) after exit code -9" in text
+    assert "restart  simulator[1] restart 1 after signal SIGKILL" in text
     proc = vlaslurm("status", "st", runs_root=tmp_path / "runs")  # the real command line
     assert proc.returncode == 0 and "STALLED  simulator-1" in proc.stdout, proc.stdout + proc.stderr
 

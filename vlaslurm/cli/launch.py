@@ -76,6 +76,7 @@ def print_plan(loaded: LoadedSpec, plan: HetjobPlan) -> None:
         "CPUs/task",
         "GPUs/node",
         "kind",
+        "restarts",
         box=box.SIMPLE_HEAD,
         title="srun steps (parts per component joined by /)",
         title_justify="left",
@@ -89,6 +90,7 @@ def print_plan(loaded: LoadedSpec, plan: HetjobPlan) -> None:
             str(s.cpus_per_task),
             "/".join(str(p.gpus_per_node) for p in s.parts),
             "overlap" if s.overlap else "exact",
+            str(spec.max_restarts(s.role)),  # resources.<role>.max_restarts, the role's default resolved
         )
     console.print(steps)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -91,11 +92,32 @@ def step_lines(run_dir: Path) -> List[str]:
 
 
 def restart_lines(run_dir: Path) -> List[str]:
-    return [
-        f"restart  {record['role']}[{record['rank']}] restarted ({record['restart']}) after exit code "
-        f"{record['exit_code']}"
-        for record in restart_records(run_dir)
-    ]
+    """One line per worker restart: which rank, which of how many, why it died, the back-off and when."""
+    return [restart_line(record) for record in restart_records(run_dir)]
+
+
+def restart_line(record: dict) -> str:
+    code = record["exit_code"]
+    how = record.get("how") if isinstance(record.get("how"), str) else None
+    if how is None:  # a record from before `how` was written
+        how = f"signal {_signal_name(-code)}" if code < 0 else f"exit code {code}"
+    of = record.get("max_restarts")
+    line = f"restart  {record['role']}[{record['rank']}] restart {record['restart']}"
+    line += f" of {of}" if isinstance(of, int) else ""
+    line += f" after {how}"
+    wait, when = record.get("backoff_s"), record.get("time")
+    if isinstance(wait, (int, float)):
+        line += f", back-off {wait:.0f} s"
+    if isinstance(when, (int, float)):
+        line += f", at {time.strftime('%H:%M:%S', time.localtime(when))}"
+    return line
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
 
 
 def checkpoint_lines(run_dir: Path) -> List[str]:

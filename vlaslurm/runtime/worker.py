@@ -3,11 +3,12 @@
 Slurm starts it as one srun step per role (rank = SLURM_PROCID); `vlaslurm run`
 starts it as local processes (rank = VLASLURM_RANK).
 
-With `resources.<role>.max_restarts` > 0 the process is a small supervisor (no
-torch) that runs the real worker as its child, forwards USR2 and TERM to it, and
-starts it again when it dies, up to max_restarts times; each restart is a line in
-the run's restart record (`RunDir.restarts`) and a header in the rank's log. The child learns which
-incarnation it is from VLASLURM_WORKER_RESTART (see `signals.incarnation`).
+With `resources.<role>.max_restarts` > 0 (by default for simulators, and for generators with filesystem
+weight sync: `spec.schema.default_max_restarts`) the process is a small supervisor (no torch) that runs the
+real worker as its child, forwards USR2 and TERM to it, and starts it again when it dies, up to max_restarts
+times, after a back-off of 1 s, 2 s, 4 s, ... (doubling, at most 30 s: `backoff_s`); each restart is a line
+in the run's restart record (`RunDir.restarts`, shown by `vlaslurm status`) and a header in the rank's log.
+The child learns which incarnation it is from VLASLURM_WORKER_RESTART (see `signals.incarnation`).
 """
 
 from __future__ import annotations
@@ -50,20 +51,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     args = parser.parse_args(argv)
     from vlaslurm.runtime import signals
-    from vlaslurm.runtime.context import make_context, rank_from_env, run_spec
     from vlaslurm.runtime.signals import RESTART_ENV
 
     # At once, before the slow imports: USR2 (Slurm's warning before the time limit) must never kill a
     # rank; the trainer also takes TERM as "checkpoint and stop" (see signals.py).
     signals.install(drain_on_term=args.role == "trainer")
-    rank = rank_from_env()
+    rank = _rank_from_env()
     if args.rank_log:
         append_output_to(RunDir(args.run_dir).log(args.role, rank))
     log_start_line(args.role, rank)
     if not args.probe and RESTART_ENV not in os.environ:
         restarts = _max_restarts(args.run_dir, args.role)
-        if restarts > 0:
+        if restarts > 0:  # the supervisor never imports torch (runtime.context does): it stays small
             return supervise(list(sys.argv[1:] if argv is None else argv), args.role, rank, restarts, args.run_dir)
+    from vlaslurm.runtime.context import make_context, run_spec
 
     if args.role in args.absent.split(","):
         log.warning("%s told to stay absent (test hook); exiting without joining", args.role)
@@ -94,10 +95,30 @@ def log_start_line(role: str, rank: int) -> None:
     sys.stderr.flush()
 
 
+def _rank_from_env() -> int:
+    """`runtime.context.rank_from_env`, without importing that module (and torch) into a supervisor."""
+    if "VLASLURM_RANK" in os.environ or "SLURM_PROCID" in os.environ:
+        return int(os.environ.get("VLASLURM_RANK", os.environ.get("SLURM_PROCID", "0")))
+    from vlaslurm.runtime.context import rank_from_env
+
+    return rank_from_env()  # raises, naming the variables
+
+
 def _max_restarts(run_dir: Path, role: str) -> int:
     from vlaslurm.spec import load_spec
 
-    return load_spec(RunDir(run_dir).spec).spec.role_resources(role).max_restarts
+    return load_spec(RunDir(run_dir).spec).spec.max_restarts(role)
+
+
+BACKOFF_FIRST_S = 1.0  # the wait before the first restart; each further one doubles it
+BACKOFF_MAX_S = 30.0
+
+
+def backoff_s(restart: int) -> float:
+    """Seconds the supervisor waits before restart number `restart` (1, 2, ...): 1, 2, 4, ... at most 30.
+    A worker that dies at once (a bad node, a missing file) does not spin, and the others' deadlines
+    (runtime.timeout_s) still cover the first few restarts."""
+    return min(BACKOFF_FIRST_S * 2 ** (restart - 1), BACKOFF_MAX_S)
 
 
 def supervise(argv: List[str], role: str, rank: int, max_restarts: int, run_dir: Path) -> int:
@@ -135,24 +156,36 @@ def supervise(argv: List[str], role: str, rank: int, max_restarts: int, run_dir:
                 max_restarts,
             )
             return code if code >= 0 else 128 - code
+        died = time.time()
         restarts += 1
+        wait = backoff_s(restarts)
         log.warning(
-            "%s[%d] died (%s) after %.1f s; restart %d of %d",
+            "%s[%d] died (%s) after %.1f s; restart %d of %d in %.0f s",
             role,
             rank,
             how,
-            time.time() - started,
+            died - started,
             restarts,
             max_restarts,
+            wait,
         )
+        end = time.monotonic() + wait
+        while time.monotonic() < end and not stopping:  # TERM during the back-off: no restart
+            time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+        if stopping:
+            return code if code >= 0 else 128 - code
         append_restart(
             run_dir,
             {
                 "role": role,
                 "rank": rank,
                 "restart": restarts,
+                "max_restarts": max_restarts,
                 "exit_code": code,
-                "time": time.time(),
+                "how": how,
+                "died": died,
+                "backoff_s": wait,
+                "time": time.time(),  # the restart: the new process starts now
                 "job_key": os.environ.get("VLASLURM_JOB_KEY", ""),
             },
         )

@@ -23,7 +23,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from vlaslurm.spec.compose import Locations, compose
 from vlaslurm.spec.errors import Location, SpecError, close_names
 from vlaslurm.spec.registry import SECTIONS, config_class, known_types
-from vlaslurm.spec.schema import ExperimentSpec
+from vlaslurm.spec.schema import ExperimentSpec, resolve_restarts
 
 if typing.TYPE_CHECKING:
     from vlaslurm.spec.sites import Site
@@ -70,6 +70,7 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), site: str | Path 
     site = site if site is None or isinstance(site, Site) else load_site(site)
     data, locations, files = compose(path, overrides, defaults=site.spec_defaults() if site else None)
     spec = _build(data, locations, path)
+    resolve_restarts(spec)  # the role defaults of resources.<role>.max_restarts, before the checks
     loaded = LoadedSpec(spec, path, files, tuple(overrides), locations, site)
     from vlaslurm.spec.validate import validate
 

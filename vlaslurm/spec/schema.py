@@ -209,6 +209,6 @@ DEFAULT_RESTARTS = 3  # restarts of a stateless role unless the spec says otherw
 
 
 def resolve_restarts(spec: ExperimentSpec) -> None:
-    """Write each role's resolved max_restarts into `spec` (at load, so `plan` and spec.yaml show it)."""
+    """Write each role's resolved max_restarts into `spec` (at load, so `plan` and the run's spec show it)."""
     for role in ROLES:
         spec.role_resources(role).max_restarts = spec.max_restarts(role)
