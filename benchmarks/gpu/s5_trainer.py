@@ -1,0 +1,97 @@
+"""Step 5, trainer: one FSDP update of the ~1B-parameter VLA on one GPU, bf16, activation checkpointing off and on.
+
+The VLA (common.vla_1b_config) is sharded by vlaslurm/algos/sharding.py's `shard_policy` (FSDP2, one unit per
+Llama layer and ViT block, bf16 compute, float32 master weights and reduction) over a single-rank process group
+(nccl; gloo in `--dry-run`), and its micro-batches planned by `ShardedDataParallel`. One update = forward, the
+next-token cross-entropy of the prompt, backward and an AdamW step; `samples_per_s` = batch / the median update
+time after one warm-up update, `peak_gib` over the timed updates. Checkpointing wraps every block with
+torch.distributed's composable `checkpoint` before sharding. Several GPUs (one rank each) are not run here.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict
+
+import common
+
+TOKENS = 32  # prompt tokens (the 256 patches come on top; 16 in --dry-run)
+ITERS = 2
+
+
+def update_figures(step: common.Step, device: Any, checkpointing: bool) -> Dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed._composable import checkpoint
+
+    from vlaslurm.algos.sharding import BLOCK_CLASSES, ShardedDataParallel, local_numel, shard_policy
+    from vlaslurm.models.prismatic.release import build_vla
+
+    torch.manual_seed(0)
+    began = time.perf_counter()
+    vla = build_vla(common.vla_1b_config(step.dry_run), device=device, dtype=torch.float32)
+    if checkpointing:
+        for module in list(vla.modules()):
+            if module is not vla and type(module).__name__ in BLOCK_CLASSES:
+                checkpoint(module)
+    batch_size = 2 if step.dry_run else 16
+    batch = common.vla_batch(vla, batch_size, TOKENS, device)
+    patches = vla.vision_backbone.num_patches
+    vla = shard_policy(vla, dist.group.WORLD, mixed_precision="bf16" if device.type == "cuda" else "fp32")
+    opt = torch.optim.AdamW(vla.parameters(), lr=1e-5)
+    dp = ShardedDataParallel(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
+    rows = dp.shard(torch.arange(batch_size))
+    micro = dp.micro_batches(batch_size, None)
+    build_s = time.perf_counter() - began
+
+    def update() -> None:
+        opt.zero_grad(set_to_none=True)
+        for part in rows.chunk(micro):
+            ids = batch["input_ids"][part]
+            logits = vla(pixel_values=batch["pixel_values"][part], input_ids=ids)
+            loss = F.cross_entropy(logits[:, patches:-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+            (loss * len(part) / batch_size).backward()
+        opt.step()
+
+    update()  # warm-up: allocations, AdamW's state
+    common.reset_peak(device)
+    seconds = common.timed(update, device, iters=1 if step.dry_run else ITERS, warmup=0)
+    return {
+        "checkpointing": checkpointing,
+        "batch": batch_size,
+        "seq_len": patches + TOKENS,
+        "micro_batches": micro,
+        "parameters": local_numel(vla),
+        "build_s": build_s,
+        "update_s": seconds,
+        "samples_per_s": batch_size / seconds,
+        "peak_gib": common.peak_gib(device),
+    }
+
+
+def body(step: common.Step, device: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    device_id = device if device.type == "cuda" else None  # NCCL binds the rank to the GPU at once
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
+    step.set("group", {"backend": backend, "world_size": 1, "gpus": torch.cuda.device_count()})
+    step.set("mixed_precision", "bf16" if device.type == "cuda" else "fp32 (CPU rehearsal)")
+    try:
+        for checkpointing in (False, True):
+            key = "checkpointing_on" if checkpointing else "checkpointing_off"
+            with step.part(key) as figures:
+                figures.update(update_figures(step, device, checkpointing))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        dist.destroy_process_group()
+    errors = [k for k in ("checkpointing_off", "checkpointing_on") if "error" in step.data[k]]
+    if errors:
+        raise RuntimeError(f"failed: {', '.join(errors)} (see their `error`)")
+
+
+if __name__ == "__main__":
+    raise SystemExit(common.main("trainer", 60.0, body))
