@@ -305,3 +305,20 @@ def test_frozen_openvla_actions_in_the_environment_equal_predict_action(release)
     for i in range(3):
         expected = reference.predict_action(inp.images[i, 0].numpy(), inp.instructions[i])
         np.testing.assert_allclose(env_actions[i, 0], expected, atol=1e-5)
+
+
+def test_assemble_left_pads_each_row_in_the_release_order():
+    from vlaslurm.models.vla.inputs import assemble
+
+    gen = torch.Generator().manual_seed(0)
+    text, prefix, tail = (torch.randn(3, n, 4, generator=gen) for n in (6, 2, 3))
+    lengths = [6, 2, 4]
+    packed = assemble(text, lengths, prefix, tail)
+    for b, n in enumerate(lengths):
+        row = torch.cat([text[b, :1], prefix[b], text[b, 1:n], tail[b]])
+        pad = packed.length - len(row)
+        assert torch.equal(packed.embeddings[b, pad:], row) and not packed.embeddings[b, :pad].any()
+        assert packed.mask[b].tolist() == [0] * pad + [1] * len(row)
+        assert packed.positions[b, pad:].tolist() == list(range(len(row)))
+    grads = torch.autograd.grad(assemble(text.requires_grad_(), lengths, prefix).embeddings.sum(), text)[0]
+    assert grads[2, :4].eq(1).all() and grads[2, 4:].eq(0).all()  # only a row's real prompt tokens are read

@@ -74,22 +74,18 @@ def behaviour_key(level: str) -> str:
     return "token_logprob" if level == "token" else "logprob"
 
 
+def _given(value: Optional[Tensor], field: str, what: str, instead: str) -> Tensor:
+    if value is None:
+        raise ValueError(f"{field} needs {what}, which this policy does not give; use {instead}")
+    return value
+
+
 def token_logprob(logprob: Optional[Tensor]) -> Tensor:
-    if logprob is None:
-        raise ValueError(
-            "algo.logprob_level 'token' needs per-token log-probs, which this policy does not give; "
-            "use logprob_level: action"
-        )
-    return logprob
+    return _given(logprob, "algo.logprob_level 'token'", "per-token log-probs", "logprob_level: action")
 
 
 def slot_values(values: Optional[Tensor]) -> Tensor:
-    if values is None:
-        raise ValueError(
-            "algo.value_level 'action' needs a value per action slot, which this policy does not give; "
-            "use value_level: chunk"
-        )
-    return values
+    return _given(values, "algo.value_level 'action'", "a value per action slot", "value_level: chunk")
 
 
 @torch.no_grad()

@@ -102,20 +102,20 @@ def assemble(
 
     text [B, L, H]: each row's prompt embeddings, right-padded to L (row b has `lengths[b]` real ones); prefix
     [B, P, H]: image (and proprio) tokens; tail [B, K, H]: what follows the prompt in every row (OFT's slots).
+    One gather from `[<bos>, prefix, text[1:], tail]`: a loop over rows made the backward quadratic in the batch
+    (each row's slice assignment copies a whole-batch gradient).
     """
-    rows = []
-    for b, n in enumerate(lengths):
-        parts = [text[b, :1], prefix[b], text[b, 1:n]]
-        if tail is not None:
-            parts.append(tail[b])
-        rows.append(torch.cat(parts, dim=0))
-    longest = max(len(r) for r in rows)
-    hidden = text.shape[-1]
-    embeddings = text.new_zeros(len(rows), longest, hidden)
-    mask = torch.zeros(len(rows), longest, dtype=torch.long, device=text.device)
-    for b, row in enumerate(rows):
-        embeddings[b, longest - len(row) :] = row
-        mask[b, longest - len(row) :] = 1
+    hidden, width, patches = text.shape[-1], text.shape[1], prefix.shape[1]
+    slots = 0 if tail is None else tail.shape[1]
+    full = torch.cat([text[:, :1], prefix, text[:, 1:]] + ([] if tail is None else [tail]), dim=1)
+    n = torch.tensor(list(lengths), device=text.device)
+    longest = patches + int(n.max()) + slots
+    # k: each output position's index within its row's real tokens (negative in the left padding)
+    k = torch.arange(longest, device=text.device)[None] - (longest - (patches + n + slots))[:, None]
+    head = patches + n[:, None]  # <bos>, the prefix and prompt[1:] stand at the start of `full`
+    mask = (k >= 0).long()
+    source = torch.where(k < head, k, k - head + patches + width).clamp(min=0) * mask  # the tail after text
+    embeddings = full.gather(1, source[..., None].expand(-1, -1, hidden)) * mask[..., None].to(full.dtype)
     return Packed(embeddings, mask, positions_of(mask))
 
 
