@@ -34,7 +34,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -42,7 +42,6 @@ import torch
 from vlaslurm.algos import chunk_rewards, compute_gae, expand_chunk, explained_variance, ppo_policy_loss, value_loss
 from vlaslurm.envs import make_env
 from vlaslurm.models import PolicyInput, build_policy
-from vlaslurm.models.vla.inputs import Packed, positions_of
 from vlaslurm.spec.env_types import ToyEnvConfig
 from vlaslurm.spec.model_types import BackboneConfig, OpenVLAOFTConfig
 
@@ -71,10 +70,10 @@ NOTES = """
   step (42 against 23 s per 10k beside lookalike-s1; 256 against 123 s to 40k env steps, seed 3; the PPO update
   is ~90% of it): a 27-token sequence against 8 (the template, OFT's 8 slots and `</s>`), bidirectional masks,
   the 32064-row embedding's dense gradient and Adam step, the MLP head.
-- **`vla/inputs.py:assemble` is quadratic in the batch under backward.** Its per-row slice assignments and
-  `text[b]` selects each make a whole-batch gradient copy. `assemble_gather` here (one gather; outputs and the
-  logged training statistics bit-identical) made a run ~1.4x faster (seed 3 side by side: 206 s against 290 s
-  for the first 16k env steps). Every tiny run above used it (`--gather-assemble`).
+- **`vla/inputs.py:assemble` was quadratic in the batch under backward.** Its per-row slice assignments and
+  `text[b]` selects each make a whole-batch gradient copy. A one-gather version (outputs and the logged training
+  statistics bit-identical) made a run ~1.4x faster (seed 3 side by side: 206 s against 290 s for the first 16k
+  env steps). Every tiny run above used it (`--gather-assemble`); it is now `assemble` itself.
 """
 
 
@@ -103,7 +102,7 @@ class Args:
     head_init_std: float = 0.01  # std of the L1 head's last layer; < 0 keeps torch's default init
     film_text: str = "instruction"  # FiLM reads the mean of the whole 'prompt' or of the 'instruction' words only
     embed_lr: float = -1.0  # lr of the LLM's token embeddings; < 0: the same as --lr
-    gather_assemble: bool = False  # replace vla/inputs.py's per-row `assemble` by `assemble_gather` (same values)
+    gather_assemble: bool = False  # recorded only: vla/inputs.py's `assemble` is now the one gather these runs used
     threads: int = 1
     eval_episodes: int = 512
     results: str = str(RESULTS / "tiny_vla_learning.json")
@@ -119,28 +118,6 @@ def parse_args() -> Args:
         else:
             parser.add_argument("--" + name.replace("_", "-"), type=kind, default=default)
     return Args(**vars(parser.parse_args()))
-
-
-def assemble_gather(
-    text: torch.Tensor, lengths: Sequence[int], prefix: torch.Tensor, tail: Optional[torch.Tensor] = None
-) -> Packed:
-    """vla/inputs.py's `assemble` (bit-equal outputs) as one gather instead of a Python loop over rows.
-
-    The loop's backward is quadratic in the batch: each row's slice assignment into the batch tensor and each
-    `text[b]` select make a whole-batch gradient copy (at a minibatch of 128 rows, ~40% of fwd+bwd). A gather's
-    backward is one scatter-add.
-    """
-    hidden, width, patches = text.shape[-1], text.shape[1], prefix.shape[1]
-    slots = 0 if tail is None else tail.shape[1]
-    full = torch.cat([text[:, :1], prefix, text[:, 1:]] + ([] if tail is None else [tail]), dim=1)
-    n = torch.tensor(list(lengths), device=text.device)
-    longest = patches + int(n.max()) + slots
-    k = torch.arange(longest, device=text.device)[None] - (longest - (patches + n + slots))[:, None]
-    head = patches + n[:, None]  # <bos>, the prefix, prompt[1:]: in place at the start of `full`
-    mask = (k >= 0).long()
-    source = torch.where(k < head, k, k - head + patches + width).clamp(min=0) * mask
-    embeddings = full.gather(1, source[..., None].expand(-1, -1, hidden)) * mask[..., None].to(full.dtype)
-    return Packed(embeddings, mask, positions_of(mask))
 
 
 def make_policy(args: Args, action_dim: int, state_dim: int, image_size: int) -> torch.nn.Module:
@@ -207,10 +184,6 @@ def evaluate_deterministic(policy, env_cfg: ToyEnvConfig, episodes: int, seed: i
 
 def train(args: Args) -> Dict[str, Any]:
     torch.set_num_threads(args.threads)
-    if args.gather_assemble:
-        import vlaslurm.models.vla.base as vla_base
-
-        vla_base.assemble = assemble_gather  # type: ignore[assignment]
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
 
