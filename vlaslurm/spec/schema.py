@@ -164,6 +164,10 @@ class RuntimeConfig:
     """Networking and deadlines of the running job."""
 
     bind_address: Optional[str] = doc(None, "Address roles bind to; None = what the hostname resolves to.")
+    allow_all_interfaces: bool = doc(
+        False,
+        "Let bind_address be an all-interfaces address (0.0.0.0, ::): anyone who reaches the node reaches the job.",
+    )
     first_meeting_timeout_s: float = doc(600.0, "Deadline of the first rendezvous (generous: queues, imports).")
     timeout_s: float = doc(120.0, "Deadline of every later wait, once running.")
     local_ranks: Dict[str, int] = doc({}, "Ranks per role for `vlaslurm run` (local); default: the Slurm shape.")

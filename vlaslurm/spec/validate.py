@@ -117,6 +117,7 @@ def _check_counts(loaded: LoadedSpec) -> None:
     if loaded.spec.algo.lr <= 0:
         raise loaded.error("algo.lr", f"must be greater than 0, got {loaded.spec.algo.lr}")
     _check_trainer(loaded)
+    _check_bind_address(loaded)
     for role, count in loaded.spec.runtime.local_ranks.items():
         if role not in ROLES:
             raise loaded.error(
@@ -126,6 +127,21 @@ def _check_counts(loaded: LoadedSpec) -> None:
             )
         if count < 1:
             raise loaded.error(f"runtime.local_ranks.{role}", f"must be at least 1, got {count}")
+
+
+ALL_INTERFACES = ("0.0.0.0", "::", "*", "[::]")
+
+
+def _check_bind_address(loaded: LoadedSpec) -> None:
+    runtime = loaded.spec.runtime
+    address = (runtime.bind_address or "").strip()
+    if address in ALL_INTERFACES and not runtime.allow_all_interfaces:
+        raise loaded.error(
+            "runtime.bind_address",
+            f"{address!r} binds every interface, so any host that reaches the node reaches the job's sockets and "
+            "store; name the node's cluster address or interface (e.g. ib0), or set "
+            "runtime.allow_all_interfaces: true",
+        )
 
 
 def _check_trainer(loaded: LoadedSpec) -> None:
