@@ -39,9 +39,12 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
+# the same rollout input and deterministic evaluation as the single-process PPO it is modelled on
+from toy_ppo_single_process import evaluate_deterministic, policy_input  # noqa: E402  (benchmarks/ on sys.path)
+
 from vlaslurm.algos import chunk_rewards, compute_gae, expand_chunk, explained_variance, ppo_policy_loss, value_loss
 from vlaslurm.envs import make_env
-from vlaslurm.models import PolicyInput, build_policy
+from vlaslurm.models import build_policy
 from vlaslurm.spec.env_types import ToyEnvConfig
 from vlaslurm.spec.model_types import BackboneConfig, OpenVLAOFTConfig
 
@@ -152,34 +155,6 @@ def optimizer_for(policy: torch.nn.Module, args: Args) -> torch.optim.Optimizer:
         rest = [p for p in params if p is not embed]
         return torch.optim.Adam([{"params": rest}, {"params": [embed], "lr": args.embed_lr}], lr=args.lr, eps=1e-5)
     return torch.optim.Adam(params, lr=args.lr, eps=1e-5)
-
-
-def policy_input(images: np.ndarray, state: np.ndarray, instructions) -> PolicyInput:
-    return PolicyInput(torch.from_numpy(images), torch.from_numpy(state), list(instructions))
-
-
-def evaluate_deterministic(policy, env_cfg: ToyEnvConfig, episodes: int, seed: int, num_envs: int) -> float:
-    """Success rate of the policy's mean actions on `episodes` seeded episodes (chunks open-loop)."""
-    env = make_env(env_cfg, num_envs=num_envs, rank=0, seed=seed)
-    successes: List[bool] = []
-    for r in range(-(-episodes // num_envs)):
-        ids = np.arange(num_envs)
-        obs = env.reset(ids, seeds=[10_000_000 + seed * 100_003 + r * num_envs + i for i in ids])
-        images, state, instr = obs.images, obs.state, np.array(obs.instructions, dtype=object)
-        while ids.size:
-            chunk = policy.act(policy_input(images, state, instr), deterministic=True).actions.numpy()
-            alive = np.ones(len(ids), bool)
-            for k in range(chunk.shape[1]):
-                live = np.flatnonzero(alive)
-                res = env.step(ids[live], chunk[live, k])
-                images[live], state[live] = res.obs.images, res.obs.state
-                done = res.terminated | res.truncated
-                successes += res.success[done].tolist()
-                alive[live[done]] = False
-                if not alive.any():
-                    break
-            ids, images, state, instr = ids[alive], images[alive], state[alive], instr[alive]
-    return float(np.mean(successes))
 
 
 def train(args: Args) -> Dict[str, Any]:
