@@ -283,23 +283,25 @@ def _norm_stats(folders: CheckpointFolders, field: str) -> NormStats:
 
 
 def resolve_unnorm_key(stats: NormStats, unnorm_key: Optional[str]) -> str:
-    """`model.unnorm_key` checked against the statistics: None needs exactly one dataset; close names on a typo."""
-    keys = list(stats.datasets)
+    """`model.unnorm_key` checked against the statistics (`NormStats.resolve_key`: None needs exactly one dataset),
+    as a spec error naming the field, with close names on a typo."""
+    from vlaslurm.models.prismatic.actions import UnnormKeyError
+
+    try:
+        return stats.resolve_key(unnorm_key)
+    except UnnormKeyError:
+        keys = list(stats.datasets)
     if unnorm_key is None:
-        if len(keys) == 1:
-            return keys[0]
         raise CheckpointError(
             "model.unnorm_key",
             f"is required: {stats.source} holds statistics of {len(keys)} datasets ({', '.join(keys)}); set it to "
             "the dataset whose actions the policy should produce",
         )
-    if unnorm_key not in stats.datasets:
-        raise CheckpointError(
-            "model.unnorm_key",
-            f"{unnorm_key!r} is not a dataset of {stats.source}; datasets: {', '.join(keys)}",
-            suggestions=close_names(unnorm_key, keys),
-        )
-    return unnorm_key
+    raise CheckpointError(
+        "model.unnorm_key",
+        f"{unnorm_key!r} is not a dataset of {stats.source}; datasets: {', '.join(keys)}",
+        suggestions=close_names(unnorm_key, keys),
+    )
 
 
 def _read_json(path: Path, field: str) -> Dict[str, Any]:

@@ -41,21 +41,17 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 VLAConfig = Union[OpenVLAConfig, OpenVLAOFTConfig]
 
 
-class ReleasedPolicyError(ValueError):
-    """A released checkpoint that does not fit the run; the message names the spec field to change."""
-
-
 def build_released(cfg: VLAConfig, action_dim: int, state_dim: int, image_size: int, num_cameras: int) -> VLAPolicy:
     """The policy of `cfg.path` (a release folder, or an adapter folder over `cfg.base_path`) on the CPU."""
-    from vlaslurm.models.checkpoint import checkpoint_folders
+    from vlaslurm.models.checkpoint import check_checkpoint, checkpoint_folders
 
+    # What plan checked, now against the environment's own sizes (plan knows them only for some env types).
+    check_checkpoint(cfg, action_dim, state=state_dim > 0, images=num_cameras > 0 and image_size > 0)
     folders = checkpoint_folders(cfg)
     dtype = DTYPES[cfg.precision]
     release = folders.release
     config = read_release_config(release / CONFIG_FILE)
-    if num_cameras == 0 or image_size == 0:
-        raise ReleasedPolicyError(f"model.path {cfg.path}: a VLA reads camera images; set env.obs.image_size")
-    stats = _dataset(release, cfg, action_dim)
+    stats = load_norm_stats(release).select(cfg.unnorm_key)
     vla = build_vla(config, device="meta", dtype=dtype)
     load_weights(vla, release, dtype, "cpu")
     _add_adapters(vla, cfg, folders.adapter)
@@ -73,18 +69,6 @@ def build_released(cfg: VLAConfig, action_dim: int, state_dim: int, image_size: 
         policy = OpenVLATokenPolicy(vla, categorical=categorical, **common)
     policy.source = release
     return policy
-
-
-def _dataset(release: Path, cfg: VLAConfig, action_dim: int) -> DatasetStats:
-    stats = load_norm_stats(release)
-    key = stats.resolve_key(cfg.unnorm_key)
-    dataset = stats.datasets[key]
-    if dataset.action.dim != action_dim:
-        raise ReleasedPolicyError(
-            f"model.unnorm_key {key!r}: its statistics have {dataset.action.dim} action dimensions but the "
-            f"environment takes {action_dim}"
-        )
-    return dataset
 
 
 def _add_adapters(vla: PrismaticVLA, cfg: VLAConfig, adapter: Optional[Path]) -> None:
@@ -116,12 +100,8 @@ def _oft(
     projector_file = find_component_file(release, PROPRIO_PROJECTOR)
     shape = OFTShape(cfg.action_chunk, common["shape"].action_dim, max(state_dim, 1))
     head = None if head_file is None else load_action_head(head_file, shape, llm_dim, dtype, "cpu")
-    projector = None
+    projector = None  # check_checkpoint made sure the environment gives the state a projector reads
     if projector_file is not None:
-        if state_dim == 0:
-            raise ReleasedPolicyError(
-                f"model.path {cfg.path}: the checkpoint reads proprio ({projector_file.name}); set env.obs.state: true"
-            )
         projector = load_proprio_projector(projector_file, shape, llm_dim, dtype, "cpu")
     return OFTChunkPolicy(
         vla,
