@@ -37,14 +37,13 @@ import time
 T0 = time.monotonic()  # the budget counts from here, before the heavy imports
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple  # noqa: E402
+from typing import Any, Callable, Dict, List, Optional, Tuple  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -83,20 +82,11 @@ class BudgetSkip(Exception):
 # --- the models ----------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
 def build_models(tiny: bool, device: torch.device, dtype: torch.dtype) -> Tuple[Any, Any, Any, Dict[str, Any]]:
     """(vla, l1 head, proprio projector, facts) built randomly initialised on `device` in `dtype`."""
+    from vlaslurm.models.common import count_parameters as count
     from vlaslurm.models.prismatic.oft import L1RegressionActionHead, ProprioProjector
-    from vlaslurm.models.prismatic.release import build_vla, parse_release_config, tiny_release_config
+    from vlaslurm.models.prismatic.release import build_vla, default_dtype, parse_release_config, tiny_release_config
 
     config = tiny_release_config() if tiny else parse_release_config(OPENVLA_7B_CONFIG, "openvla-7b config.json")
     vla = build_vla(config, device=device, dtype=dtype).eval()
@@ -118,10 +108,6 @@ def build_models(tiny: bool, device: torch.device, dtype: torch.dtype) -> Tuple[
         "attn_implementation": getattr(vla.language_model.config, "_attn_implementation", None),
     }
     return vla, head, projector, facts
-
-
-def count(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
 
 
 def prompt_ids(batch: int, device: torch.device, generator: torch.Generator) -> torch.Tensor:

@@ -217,4 +217,6 @@ def vla_batch(vla: Any, batch: int, tokens: int, device: Any) -> Dict[str, Any]:
 
 
 def count(module: Any) -> int:
-    return sum(p.numel() for p in module.parameters())
+    from vlaslurm.models.common import count_parameters  # lazily: the environment step imports no vlaslurm
+
+    return count_parameters(module)

@@ -366,7 +366,7 @@ def build_vla(
     Elsewhere the module is randomly initialised on that device.
     """
     placement = _empty_weights() if torch.device(device).type == "meta" else torch.device(device)
-    with _default_dtype(dtype), placement:
+    with default_dtype(dtype), placement:
         return PrismaticVLA(*config.towers(), config.llama())
 
 
@@ -379,7 +379,7 @@ def _empty_weights() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     # As from_pretrained(torch_dtype=...) does: parameters are created in `dtype`, while the rotary frequencies,
     # which transformers computes explicitly in float32, stay float32 (a later .to(dtype) would round them).
     previous = torch.get_default_dtype()
