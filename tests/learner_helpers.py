@@ -16,6 +16,7 @@ from vlaslurm.envs.toy import make as make_toy
 from vlaslurm.models import PolicyInput, build_policy
 from vlaslurm.runtime.episodes import EnvTrack, mix_seed, run_chunk, split_obs, stack_obs
 from vlaslurm.runtime.messages import Segment
+from vlaslurm.spec.algo_types import GRPOConfig, PPOConfig
 from vlaslurm.spec.env_types import ToyEnvConfig
 from vlaslurm.spec.model_types import OpenVLAOFTConfig
 
@@ -25,6 +26,14 @@ CHUNK = 4
 def tiny_policy(seed: int = 0):
     cfg = OpenVLAOFTConfig(type="openvla-oft", action_chunk=CHUNK, init_seed=seed)
     return build_policy(cfg, action_dim=2, state_dim=2, image_size=32, num_cameras=1)
+
+
+def algo_config(kind: str, level: str, minibatches: int = 3):
+    """The learner tests' PPO or GRPO (groups of 4) at `algo.logprob_level` `level`: 2 epochs, lr 1e-3."""
+    common = dict(lr=1e-3, epochs=2, minibatches=minibatches, logprob_level=level)
+    if kind == "ppo":
+        return PPOConfig(type="ppo", **common)
+    return GRPOConfig(type="grpo", group_size=4, **common)
 
 
 def rollout_segments(

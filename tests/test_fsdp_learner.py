@@ -15,23 +15,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from learner_helpers import rollout_segments, tiny_policy
+from learner_helpers import algo_config, rollout_segments, tiny_policy
 
 from vlaslurm.algos.batch import collate
 from vlaslurm.algos.learners import DataParallel, make_learner
 from vlaslurm.algos.sharding import ShardedDataParallel, full_state_dict, local_numel, shard_policy
-from vlaslurm.spec.algo_types import GRPOConfig, PPOConfig
 from vlaslurm.spec.trainer_types import TrainerSpec
 
 WORLD = 2
 CASES = [("ppo", "action", None), ("grpo", "token", 3)]
-
-
-def algo_config(kind: str, level: str):
-    common = dict(lr=1e-3, epochs=2, minibatches=3, logprob_level=level)
-    if kind == "ppo":
-        return PPOConfig(type="ppo", **common)
-    return GRPOConfig(type="grpo", group_size=4, **common)
 
 
 def _rank(rank: int, tmp: str) -> None:

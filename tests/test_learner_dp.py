@@ -14,21 +14,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from learner_helpers import rollout_segments, tiny_policy
+from learner_helpers import algo_config, rollout_segments, tiny_policy
 
 from vlaslurm.algos.batch import collate
 from vlaslurm.algos.learners import DataParallel, make_learner
-from vlaslurm.spec.algo_types import GRPOConfig, PPOConfig
 from vlaslurm.spec.trainer_types import TrainerSpec
 
 WORLD = 2
-
-
-def algo_config(kind: str, level: str):
-    common = dict(lr=1e-3, epochs=2, minibatches=3, logprob_level=level)
-    if kind == "ppo":
-        return PPOConfig(type="ppo", **common)
-    return GRPOConfig(type="grpo", group_size=4, **common)
 
 
 def one_update(kind: str, level: str, batch, dp: DataParallel, micro: Optional[int] = None) -> dict:

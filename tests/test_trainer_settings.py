@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from learner_helpers import rollout_segments, tiny_policy
+from learner_helpers import algo_config, rollout_segments, tiny_policy
 
 from vlaslurm.algos.batch import collate
 from vlaslurm.algos.learners import DataParallel, make_learner
-from vlaslurm.spec.algo_types import GRPOConfig, PPOConfig
 from vlaslurm.spec.trainer_types import OptimizerConfig, TrainerSpec
 
 
@@ -19,14 +18,10 @@ def batch():
     return collate(segments)
 
 
-def algo(kind: str, level: str):
-    common = dict(lr=1e-3, epochs=2, minibatches=2, logprob_level=level)
-    return PPOConfig(type="ppo", **common) if kind == "ppo" else GRPOConfig(type="grpo", group_size=4, **common)
-
-
 def updated(kind: str, level: str, batch, trainer: TrainerSpec) -> dict:
     policy = tiny_policy(seed=3)
-    stats = make_learner(algo(kind, level), policy, DataParallel(None, 0, 1), 7, trainer).update(batch, version=2)
+    cfg = algo_config(kind, level, minibatches=2)
+    stats = make_learner(cfg, policy, DataParallel(None, 0, 1), 7, trainer).update(batch, version=2)
     return {"params": {k: v.detach().clone() for k, v in policy.state_dict().items()}, "stats": stats}
 
 
@@ -45,7 +40,8 @@ def test_micro_batches_make_the_same_update(batch, kind, level):
 def test_the_optimizer_takes_the_trainer_settings(batch):
     settings = OptimizerConfig(weight_decay=0.01, betas=[0.8, 0.95], eps=1e-6, value_lr=1e-12)
     policy = tiny_policy(seed=3)
-    learner = make_learner(algo("ppo", "chunk"), policy, DataParallel(None, 0, 1), 7, TrainerSpec(optimizer=settings))
+    cfg = algo_config("ppo", "chunk", minibatches=2)
+    learner = make_learner(cfg, policy, DataParallel(None, 0, 1), 7, TrainerSpec(optimizer=settings))
     groups = learner.opt.param_groups
     assert [g["lr"] for g in groups] == [1e-3, 1e-12]
     assert all(g["betas"] == (0.8, 0.95) and g["eps"] == 1e-6 and g["weight_decay"] == 0.01 for g in groups)

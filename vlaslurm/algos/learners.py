@@ -97,7 +97,8 @@ def evaluate_all(
     or [N, T, C, A] per token with `tokens`), the trust region's centre."""
     t = batch.tensors
     n, T = t["step_valid"].shape
-    out_values = torch.zeros(n, T + 1, *t["mask"].shape[2:3] if slots else (), device=t["actions"].device)
+    shape = (n, T + 1, t["mask"].shape[2]) if slots else (n, T + 1)  # [N, T+1, C] with a value per action slot
+    out_values = torch.zeros(shape, device=t["actions"].device)
     key = behaviour_key("token" if tokens else "action")
     if key not in t:
         token_logprob(None)  # the segments carry no per-token log-probs: raises, saying what to change
