@@ -8,8 +8,6 @@ Details: docs/models.md
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 from transformers import PreTrainedModel
@@ -25,6 +23,7 @@ from vlaslurm.models.common import (
     shape_fields,
 )
 from vlaslurm.models.openvla_oft import check_checkpoint_dir, check_loaded
+from vlaslurm.models.vla.inputs import row_uniforms
 from vlaslurm.spec.model_types import BackboneConfig, OpenVLAConfig
 
 
@@ -133,7 +132,7 @@ class OpenVLAPolicy(PreTrainedModel):
         hidden = hidden[:, -1].float()
         value = self.value_head(hidden).squeeze(-1)
         bins, logprobs, before_action = [], [], []
-        uniforms = _uniforms(len(hidden), n_tokens, inp.seeds, hidden.device)
+        uniforms = row_uniforms(inp.seeds, len(hidden), n_tokens, hidden.device)
         for k in range(n_tokens):
             if k % self.action_dim == 0:
                 before_action.append(self.value_head(hidden).squeeze(-1))
@@ -169,15 +168,6 @@ class OpenVLAPolicy(PreTrainedModel):
         per_token = dist.log_prob(bins).view(shape)
         entropy = dist.entropy().view(shape).sum(-1)
         return PolicyEval(per_token.sum(-1), entropy, value, token_logprob=per_token, slot_value=slot_value)
-
-
-def _uniforms(batch: int, count: int, seeds: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
-    """Per-item uniforms [B, count] for sampling the action tokens, each row drawn from its own seed (so a
-    sample depends neither on the batch it was served in nor on the process's RNG); None without seeds."""
-    if seeds is None:
-        return None
-    rows = [torch.rand(count, generator=torch.Generator().manual_seed(int(s))) for s in seeds.tolist()]
-    return (torch.stack(rows) if rows else torch.zeros(batch, count)).to(device)
 
 
 def _check_bins(config: OpenVLAModelConfig, vocab_size: int) -> None:

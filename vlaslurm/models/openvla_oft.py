@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional
 
 import torch
 from torch import nn
@@ -32,6 +31,7 @@ from vlaslurm.models.common import (
     run_lm,
     shape_fields,
 )
+from vlaslurm.models.vla.inputs import row_normals
 from vlaslurm.spec.model_types import BackboneConfig, OpenVLAOFTConfig
 
 STD_MODES = ("learned", "scheduled")
@@ -115,7 +115,11 @@ class OpenVLAOFTPolicy(PreTrainedModel):
     def act(self, inp: PolicyInput, deterministic: bool = False) -> PolicyOutput:
         mean, value = self._heads(self(inp))
         log_std = self.action_log_std()
-        actions = mean if deterministic else mean + log_std.exp() * _noise(mean, inp.seeds)
+        actions = (
+            mean
+            if deterministic
+            else mean + log_std.exp() * row_normals(inp.seeds, mean.shape, mean.device).to(mean.dtype)
+        )
         per_dim = gaussian_logprob(actions, mean, log_std)
         return PolicyOutput(actions, per_dim.sum(-1), value, token_logprob=per_dim, slot_value=self._slot_values(value))
 
@@ -132,15 +136,6 @@ class OpenVLAOFTPolicy(PreTrainedModel):
         # One value per observation: every action slot of the chunk shares it (a released OFT's critic reads each
         # action's own hidden states, vlaslurm/models/vla/oft.py).
         return value[:, None].expand(-1, self.action_chunk)
-
-
-def _noise(like: torch.Tensor, seeds: Optional[torch.Tensor]) -> torch.Tensor:
-    """Standard normal noise shaped like `like`; with per-item seeds each row depends on its seed only
-    (not on the batch it was served in, nor on the process's RNG), so sync rollouts are reproducible."""
-    if seeds is None:
-        return torch.randn_like(like)
-    rows = [torch.randn(like.shape[1:], generator=torch.Generator().manual_seed(int(s))) for s in seeds.tolist()]
-    return (torch.stack(rows) if rows else torch.zeros(like.shape)).to(like.device, like.dtype)
 
 
 def _check_std(mode: str, init_std: float, final_std: float) -> None:

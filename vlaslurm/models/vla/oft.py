@@ -110,8 +110,10 @@ class OFTChunkPolicy(VLAPolicy):
         shape = (-1, self.shape.chunk, self.shape.action_dim)
         if self.head == "l1":
             mean, log_std = self.mean(hidden), self.action_log_std()
-            noise = row_normals(inp.seeds, mean.shape, self.device)
-            actions = mean if deterministic else mean + log_std.exp() * noise
+            if deterministic:
+                actions = mean
+            else:  # noise drawn only when sampled
+                actions = mean + log_std.exp() * row_normals(inp.seeds, mean.shape, self.device)
             per_token = gaussian_logprob(actions, mean, log_std)
         else:
             uniforms = row_uniforms(inp.seeds, len(hidden), self.shape.tokens, self.device)
