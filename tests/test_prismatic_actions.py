@@ -25,6 +25,7 @@ from vlaslurm.models.prismatic.actions import (
     load_norm_stats,
     norm_stats_from_config,
     normalize_proprio,
+    normalize_proprio_torch,
     parse_norm_stats,
     read_dataset_statistics,
     unnormalize_actions,
@@ -171,6 +172,9 @@ def test_proprio_normalisation_is_clipped():
     expected = np.clip(2 * state / (1 + 1e-8) - 1, -1, 1)
     np.testing.assert_allclose(normalize_proprio(state, proprio), expected, atol=1e-15)
     assert normalize_proprio(state, proprio)[[4, 5]].tolist() == [-1.0, 1.0]
+    # the batched torch path (the RL policies') equals it, in float32
+    batched = normalize_proprio_torch(torch.from_numpy(np.stack([state, state])), proprio)
+    np.testing.assert_allclose(batched.numpy(), np.stack([expected, expected]), rtol=1e-6, atol=1e-7)
 
 
 def test_malformed_statistics_name_the_field(tmp_path):

@@ -357,6 +357,18 @@ def normalize_proprio(
     return np.clip(scaled, -1.0, 1.0)
 
 
+def normalize_proprio_torch(
+    proprio: torch.Tensor, stats: ArrayStats, normalization: Normalization = "bounds_q99"
+) -> torch.Tensor:
+    """`normalize_proprio` for a batch of tensors [..., D] (computed in float64 as numpy), returned float32."""
+    _check_dim(tuple(proprio.shape), stats, "proprio")
+    low, high = (torch.from_numpy(b).to(proprio.device, torch.float64) for b in stats.bounds(normalization))
+    mask = torch.from_numpy(stats.mask).to(proprio.device)
+    state = proprio.to(torch.float64)
+    scaled = torch.where(mask, 2.0 * (state - low) / (high - low + PROPRIO_EPS) - 1.0, state)
+    return scaled.clamp(-1.0, 1.0).float()
+
+
 def _check_dim(shape: Tuple[int, ...], stats: ArrayStats, what: str) -> None:
     if not shape or shape[-1] != stats.dim:
         raise ValueError(

@@ -19,7 +19,7 @@ from torch import nn
 from transformers import LlamaForCausalLM
 
 from vlaslurm.models.base import PolicyInput
-from vlaslurm.models.prismatic.actions import ArrayStats, Normalization
+from vlaslurm.models.prismatic.actions import ArrayStats, Normalization, normalize_proprio_torch
 from vlaslurm.models.prismatic.lora import adapter_state_dict, lora_layers, merged_state_dict
 from vlaslurm.models.prismatic.oft import project_images
 from vlaslurm.models.prismatic.preprocess import ImageTransform, TextEncoder
@@ -34,7 +34,7 @@ from vlaslurm.models.prismatic.release import (
     save_weights,
 )
 from vlaslurm.models.prismatic.vla import PrismaticVLA
-from vlaslurm.models.vla.inputs import Packed, PromptIds, assemble, normalize_proprio, padded_ids, pixel_values
+from vlaslurm.models.vla.inputs import Packed, PromptIds, assemble, padded_ids, pixel_values
 
 # What a saved policy keeps of its source release besides the weights (which it writes merged).
 RELEASE_METADATA_FILES = (
@@ -137,7 +137,7 @@ class VLAPolicy(nn.Module):
             raise ValueError("this checkpoint has a proprio projector: set env.obs.state: true")
         state = inp.state.to(self.device, torch.float32)
         if self.proprio_stats is not None:
-            state = normalize_proprio(state, self.proprio_stats, self.normalization)
+            state = normalize_proprio_torch(state, self.proprio_stats, self.normalization)
         return torch.cat([tokens, self.proprio_projector(state.to(tokens.dtype))], dim=1)
 
     def text(self, instructions: List[str]) -> Tuple[torch.Tensor, List[int]]:

@@ -16,7 +16,6 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from vlaslurm.models.prismatic.actions import PROPRIO_EPS, ArrayStats, Normalization
 from vlaslurm.models.prismatic.preprocess import CENTER_CROP_SCALE, ImageTransform, TextEncoder, prompt_token_ids
 
 
@@ -54,15 +53,6 @@ def _center_box(unit: torch.Tensor, crop_scale: float) -> torch.Tensor:
     h, w = max(1, round(height * side)), max(1, round(width * side))
     top, left = (height - h) // 2, (width - w) // 2
     return unit[..., top : top + h, left : left + w]
-
-
-def normalize_proprio(state: torch.Tensor, stats: ArrayStats, normalization: Normalization) -> torch.Tensor:
-    """prismatic/actions.py:normalize_proprio on a batch [B, D] of raw proprio, float32, clipped to [-1, 1]."""
-    low, high = (torch.from_numpy(b).to(state.device, torch.float64) for b in stats.bounds(normalization))
-    mask = torch.from_numpy(stats.mask).to(state.device)
-    x = state.to(torch.float64)
-    scaled = torch.where(mask, 2.0 * (x - low) / (high - low + PROPRIO_EPS) - 1.0, x)
-    return scaled.clamp(-1.0, 1.0).float()
 
 
 class PromptIds:
