@@ -8,6 +8,7 @@ with `pytest -m "not slurm"`.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -59,3 +60,24 @@ def vlaslurm(
     return subprocess.run(
         cmd + list(args), cwd=REPO, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
     )
+
+
+class LogRecords(logging.Handler):
+    """The WARNING-and-above messages a logger emitted during a test."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def transport_log() -> Iterator[LogRecords]:
+    """What the transport logged (its rejections) while the test ran."""
+    handler = LogRecords()
+    logger = logging.getLogger("vlaslurm.transport")
+    logger.addHandler(handler)
+    yield handler
+    logger.removeHandler(handler)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import multiprocessing as mp
 import os
 import stat
@@ -13,6 +12,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from conftest import LogRecords
 
 from vlaslurm.rundir.secret import SecretError, create_secret, ensure_secret, load_secret, secret_path
 from vlaslurm.runtime.transport import (
@@ -34,24 +34,6 @@ from vlaslurm.runtime.transport import (
 
 KEY = bytes(range(32))
 LOOPBACK = "127.0.0.1"
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-@pytest.fixture
-def transport_log() -> _Records:
-    handler = _Records()
-    logger = logging.getLogger("vlaslurm.transport")
-    logger.addHandler(handler)
-    yield handler
-    logger.removeHandler(handler)
 
 
 def sample_arrays() -> dict[str, np.ndarray]:
@@ -185,7 +167,7 @@ def test_router_dealer_round_trip_across_processes() -> None:
     assert server.exitcode == 0
 
 
-def test_forged_messages_are_dropped_counted_and_logged(transport_log: _Records) -> None:
+def test_forged_messages_are_dropped_counted_and_logged(transport_log: LogRecords) -> None:
     with (
         Router(KEY) as server,
         Dealer(b"x" * 32, identity=b"intruder") as forger,

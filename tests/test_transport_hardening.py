@@ -11,7 +11,6 @@ cannot be guessed. Every refusal is counted (by reason) and logged, and the rank
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import resource
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
+from conftest import LogRecords
 from runtime_helpers import run_spec, synthetic_spec, wait_for
 
 from vlaslurm.runtime import messages as msgs
@@ -42,24 +42,6 @@ from vlaslurm.spec.env_types import EnvConfig, ObsConfig
 
 SECRET = bytes(range(32))
 LOOPBACK = "127.0.0.1"
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-@pytest.fixture
-def transport_log():
-    handler = _Records()
-    logger = logging.getLogger("vlaslurm.transport")
-    logger.addHandler(handler)
-    yield handler
-    logger.removeHandler(handler)
 
 
 def raw_socket(kind: int) -> zmq.Socket:
@@ -117,7 +99,7 @@ def offloaded(version: int = 1) -> Message:
 # --------------------------------------------------------------------------- channels
 
 
-def test_a_message_signed_for_one_channel_is_refused_on_another(transport_log: _Records) -> None:
+def test_a_message_signed_for_one_channel_is_refused_on_another(transport_log: LogRecords) -> None:
     """The issue's replay: a recorded announcement sent into a generator's request socket. Same secret,
     different channel: the MAC fails, and the generator's socket goes on serving."""
     channels = msgs.generator_channels("job-r0", 0, 1234)
@@ -149,7 +131,7 @@ def test_a_message_signed_for_one_channel_is_refused_on_another(transport_log: _
     assert len(names) == 5
 
 
-def test_replays_on_the_same_channel_are_refused_and_counted(transport_log: _Records) -> None:
+def test_replays_on_the_same_channel_are_refused_and_counted(transport_log: LogRecords) -> None:
     channel = msgs.channel("job-r0", "segments")
     recorded = recorded_push(offloaded(), channel)
     with Pull(SECRET, channel=channel, accepts=msgs.TRAINER_INTAKE) as pull:
@@ -219,7 +201,7 @@ def obs_request(env_ids=(0, 1)) -> msgs.ObsRequest:
     return msgs.ObsRequest(list(env_ids), [0] * n, [0] * n, [7] * n, obs, 0, 0, sim_rank=0)
 
 
-def test_wrong_kinds_and_bad_contents_are_refused_and_counted(transport_log: _Records) -> None:
+def test_wrong_kinds_and_bad_contents_are_refused_and_counted(transport_log: LogRecords) -> None:
     """Signed for the right channel, even: a kind the socket does not take, and an `obs` whose meta or
     arrays its decoder refuses, are counted rejections; the socket then serves an honest request."""
     channels = msgs.generator_channels("job-r0", 0, 1)
