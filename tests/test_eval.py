@@ -44,7 +44,8 @@ def test_success_per_task_and_failed_trajectories(tmp_path: Path, prob: float, e
     assert failed == (["a-0.npz", "a-1.npz", "b-0.npz", "b-1.npz"] if expected == 0.0 else [])
 
 
-def test_eval_loads_the_checkpoint_in_model_path(tmp_path: Path) -> None:
+def lookalike_checkpoint(folder: Path) -> None:
+    """A tiny random openvla-oft look-alike (chunks of 2, 2-dim actions, 16 px), saved with save_pretrained."""
     from vlaslurm.models import build_policy
     from vlaslurm.spec.model_types import OpenVLAOFTConfig
 
@@ -55,7 +56,11 @@ def test_eval_loads_the_checkpoint_in_model_path(tmp_path: Path) -> None:
         image_size=16,
         num_cameras=1,
     )
-    policy.save_pretrained(str(tmp_path / "ckpt"))
+    policy.save_pretrained(str(folder))
+
+
+def test_eval_loads_the_checkpoint_in_model_path(tmp_path: Path) -> None:
+    lookalike_checkpoint(tmp_path / "ckpt")
     spec = {
         "name": "ev",
         "env": {"type": "toy", "num_envs": 2, "obs": {"image_size": 16, "cameras": ["top"]}},
@@ -107,17 +112,7 @@ def _failed_by_episode(directory: Path) -> dict:
 def tiny_checkpoint_spec(tmp_path: Path) -> Path:
     """A toy-env spec whose model.path is a tiny openvla-oft saved with save_pretrained; 2 simulator ranks (one
     environment each) share 1 generator."""
-    from vlaslurm.models import build_policy
-    from vlaslurm.spec.model_types import OpenVLAOFTConfig
-
-    policy = build_policy(
-        OpenVLAOFTConfig(type="openvla-oft", action_chunk=2, action_dim=2),
-        action_dim=2,
-        state_dim=2,
-        image_size=16,
-        num_cameras=1,
-    )
-    policy.save_pretrained(str(tmp_path / "ckpt"))
+    lookalike_checkpoint(tmp_path / "ckpt")
     spec = {
         "name": "evjob",
         "env": {"type": "toy", "num_envs": 2, "max_episode_steps": 12, "obs": {"image_size": 16, "cameras": ["top"]}},
