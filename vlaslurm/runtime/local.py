@@ -18,12 +18,14 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from vlaslurm import rundir
 from vlaslurm.rundir import RunDir
-from vlaslurm.runtime.signals import REQUEUE_EXIT
+from vlaslurm.runtime.signals import DRAIN_SIGNAL, REQUEUE_EXIT
 from vlaslurm.spec import LoadedSpec
 from vlaslurm.spec.plan import build_plan
 from vlaslurm.spec.validate import check_model_path
 
 ROLES = ("trainer", "generator", "simulator")
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+DRAIN_GRACE_S = 60.0  # a stopped run's trainer writes its checkpoint before it exits
 Tick = Callable[[Path], None]  # called with the run directory while the ranks run
 
 
@@ -126,9 +128,12 @@ def _supervise(
     running = list(procs)
     deadline = time.monotonic() + timeout_s if timeout_s else None
     tail = _LogTail(RunDir(directory).log("trainer", 0)) if echo else None
+    previous = _stop_on_signals()
     try:
         while running:
             time.sleep(0.2)
+            if _stop_requests:
+                raise _Stopped(_stop_requests[0])
             if tail:
                 tail.pump()
             if on_tick:
@@ -147,15 +152,55 @@ def _supervise(
     except KeyboardInterrupt:
         _terminate(running)
         status = 130
+    except _Stopped as stop:
+        print(f"vlaslurm: {stop.name}; stopping every rank (the trainer saves a checkpoint first)", file=sys.stderr)
+        _drain(running, DRAIN_GRACE_S)
+        status = 128 + stop.signum
+        for p in procs:
+            if p.role == "trainer" and p.rank == 0 and p.proc.returncode == REQUEUE_EXIT:
+                print(_failure(directory, p), file=sys.stderr, flush=True)  # where to resume from
     finally:
         for p in running:
             p.proc.wait()
+        _restore_signals(previous)
         if tail:
             tail.pump()
     _record(directory, "job", status, 0.0, attempt)
     if on_tick:
         on_tick(directory)
     return status
+
+
+class _Stopped(Exception):
+    """The launcher itself got SIGTERM or SIGHUP (a `kill`, a closed terminal)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum, self.name = signum, signal.Signals(signum).name
+
+
+_stop_requests: List[int] = []  # signals received by the launcher, acted on by the supervising loop
+
+
+def _note_stop(signum: int, _frame: object) -> None:
+    _stop_requests.append(signum)  # not raised here: it could tear an exit record being written
+
+
+def _stop_on_signals() -> Dict[int, object]:
+    """Without this a TERM ends the launcher alone and its ranks, each in its own session, run on unsupervised."""
+    _stop_requests.clear()
+    previous: Dict[int, object] = {}
+    for signum in STOP_SIGNALS:
+        try:
+            previous[signum] = signal.signal(signum, _note_stop)
+        except ValueError:  # not the main thread: whoever runs us there handles signals
+            break
+    return previous
+
+
+def _restore_signals(previous: Dict[int, object]) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)  # type: ignore[arg-type]
 
 
 def _failure(directory: Path, p: LocalProc) -> str:
@@ -169,6 +214,19 @@ def _failure(directory: Path, p: LocalProc) -> str:
     return (
         f"vlaslurm: {p.role}[{p.rank}] {how}; stopping the others (log: {RunDir(directory).log(p.role, p.rank)}){after}"
     )
+
+
+def _drain(procs: List[LocalProc], grace_s: float) -> None:
+    """Ask the trainers to drain as a preemption does (a checkpoint at the next boundary, then every rank stops,
+    `signals.DRAIN_SIGNAL`); what is left after `grace_s` is terminated. A TERM to every rank at once would end
+    the generators first and leave the trainer's last publication, and with it the checkpoint, failing."""
+    for p in procs:
+        if p.role == "trainer" and p.proc.poll() is None:
+            os.kill(p.proc.pid, DRAIN_SIGNAL)
+    end = time.monotonic() + grace_s
+    while time.monotonic() < end and any(p.proc.poll() is None for p in procs):
+        time.sleep(0.2)
+    _terminate(procs)
 
 
 def _terminate(procs: List[LocalProc], grace_s: float = 10.0) -> None:

@@ -16,6 +16,7 @@ import signal
 from typing import Optional
 
 REQUEUE_EXIT = 75  # EX_TEMPFAIL: "checkpointed on a signal; run me again"
+DRAIN_SIGNAL = signal.SIGUSR2  # what asks the trainer to drain without ending any rank at once
 RESTART_ENV = "VLASLURM_WORKER_RESTART"
 
 _received: Optional[str] = None
@@ -31,7 +32,7 @@ def _note(signum: int, frame) -> None:  # noqa: ARG001 - signal handler signatur
 
 def install(drain_on_term: bool) -> None:
     """USR2 never kills a rank; with `drain_on_term` (the trainer) TERM is noted too instead of killing it."""
-    signal.signal(signal.SIGUSR2, _note)
+    signal.signal(DRAIN_SIGNAL, _note)
     if drain_on_term:
         signal.signal(signal.SIGTERM, _note)
 
