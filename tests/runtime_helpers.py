@@ -107,6 +107,23 @@ def served_versions(run: Run) -> Dict[Tuple[int, int, int], List[int]]:
     return {key: _newest_processes(found) for key, found in serves.items()}
 
 
+def check_trained_versions(run: Run, max_staleness: int) -> int:
+    """Every used sample's behaviour version equals the version of the one batch that served it."""
+    served = served_versions(run)
+    used = run.ledger[run.ledger.used]
+    assert len(used) > 0
+    for row in used.itertuples():
+        for step in row.step_ids:
+            versions = served.get((row.env_id, row.episode, int(step)))
+            assert versions is not None, f"{row.traj_id} step {step} was never served"
+            assert versions == [row.behavior_version], (
+                f"{row.traj_id} step {step}: served {versions}, ledger says {row.behavior_version}"
+            )
+        assert row.lag == row.consumed_version - row.behavior_version
+        assert 0 <= row.lag <= max_staleness, row
+    return len(used)
+
+
 def _newest_processes(serves: List[Tuple[int, int, int]]) -> List[int]:
     newest: Dict[int, int] = {}
     for rank, inc, _ in serves:

@@ -157,10 +157,10 @@ def test_a_forged_or_moved_value_is_refused_by_name() -> None:
     prefix = store_prefix(SECRET)
     rogue.set(f"{prefix}/a", b"forged")
     with pytest.raises(StoreTampered, match="key 'a' holds a value not sealed with this run's secret"):
-        sealed.get("a")
+        sealed.wait(["a"], timedelta(seconds=0.3))
     rogue.set(f"{prefix}/a", rogue.get(f"{prefix}/b"))  # a genuine value, moved to another key
     with pytest.raises(StoreTampered):
-        sealed.get("a")
+        sealed.wait(["a"], timedelta(seconds=0.3))
     assert job_store(raw, bytes(32)).check(["b"]) is False  # another secret, another namespace
 
 

@@ -15,7 +15,7 @@ from typing import Dict, List
 
 import numpy as np
 import pytest
-from runtime_helpers import RANKS_2, Run, overlaps, run_spec, served_versions, synthetic_spec
+from runtime_helpers import RANKS_2, Run, check_trained_versions, overlaps, run_spec, synthetic_spec
 
 from vlaslurm.envs import make_env, synthetic
 from vlaslurm.runtime.episodes import run_chunk
@@ -40,23 +40,6 @@ def sub_group_of(env_id: int, num_envs: int, sims: int, depth: int) -> tuple:
     sim, local = divmod(env_id, local_count)
     groups = np.array_split(np.arange(local_count), depth)
     return sim, next(g for g, ids in enumerate(groups) if local in ids)
-
-
-def check_trained_versions(run: Run, max_staleness: int) -> int:
-    """Every used sample's behaviour version equals the version of the one batch that served it."""
-    served = served_versions(run)
-    used = run.ledger[run.ledger.used]
-    assert len(used) > 0
-    for row in used.itertuples():
-        for step in row.step_ids:
-            versions = served.get((row.env_id, row.episode, int(step)))
-            assert versions is not None, f"{row.traj_id} step {step} was never served"
-            assert versions == [row.behavior_version], (
-                f"{row.traj_id} step {step}: served {versions}, ledger says {row.behavior_version}"
-            )
-        assert row.lag == row.consumed_version - row.behavior_version
-        assert 0 <= row.lag <= max_staleness, row
-    return len(used)
 
 
 @pytest.mark.parametrize("mode", list(MODES))

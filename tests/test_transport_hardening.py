@@ -5,7 +5,8 @@ Each channel has its own key, so a message recorded on one (the trainer's announ
 may subscribe to) fails on another; a message replayed on its own channel, or one far older than the
 newest of its sender, is refused; a socket refuses kinds it does not take and contents its kind's
 decoder does not accept; receiving sockets refuse oversized frames before buffering them; routing ids
-cannot be guessed. Every refusal is counted (by reason) and logged, and the rank goes on serving.
+cannot be guessed. Every refusal is counted (by reason) and logged, and the rank goes on serving. The
+real run also has its TCPStore tampered with (tests/test_store_hardening.py has the store's own tests).
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ import re
 import resource
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import torch.distributed as dist
 import zmq
 from conftest import LogRecords
-from runtime_helpers import run_spec, synthetic_spec, wait_for
+from runtime_helpers import check_trained_versions, run_spec, synthetic_spec, wait_for
 
 from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime.transport import (
@@ -326,16 +330,76 @@ def _member(run_dir: Path, role: str) -> tuple[str, dict]:
     return (files[0].parent.name, json.loads(files[0].read_text())) if files else ("", {})
 
 
+class StoreTamperer(threading.Thread):
+    """A foreign TCPStore client (no secret) on trainer[0]'s store during the run. It finds the weight
+    handshake's key names with `list_keys()` and, every 50 ms: forges the `ready` and `go` flags of versions
+    4 to 8 ahead of the newest `go` (keys the run will wait on; far enough ahead that the honest writer
+    cannot have set them yet, so its `set` replaces them), and deletes the `ready` flags of the newest
+    `go`'s version when it catches them (consumed: the trainer waited on them before it set `go`, and
+    deletes them itself after the broadcast). At the start it deletes c10d's own keys (consumed when the
+    world formed) and floods the store with 4000 keys."""
+
+    def __init__(self, address: str, port: int) -> None:
+        super().__init__(daemon=True)
+        self.foreign: Any = dist.TCPStore(  # Any: c10d takes bytes values and has multi_set; the stubs say neither
+            address, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10)
+        )
+        self.done = threading.Event()
+        self.forged: set[str] = set()
+        self.deleted: list[str] = []
+        self.error = ""
+
+    def run(self) -> None:
+        try:
+            base = wait_for(
+                lambda: next((n for n in self.foreign.list_keys() if n.endswith("/announce")), ""),
+                20,
+                "the weight announcement",
+            )
+            base = base.removesuffix("announce")
+            prefix = base.split("/", 1)[0]
+            for name in self.foreign.list_keys():
+                if not name.startswith(base):  # c10d's gloo addresses and store barriers: read once, at the start
+                    self._remove(name)
+            for outside in ("", prefix + "/"):
+                self.foreign.multi_set([f"{outside}flood/{i}" for i in range(2000)], [b"x" * 64] * 2000)
+            while not self.done.wait(0.05):
+                self._round(base)
+        except (RuntimeError, AssertionError) as err:  # e.g. the run ended (and its store) before `done`
+            self.error = str(err)
+
+    def _round(self, base: str) -> None:
+        names = set(self.foreign.list_keys())
+        gos = [int(n.rsplit("/", 1)[1]) for n in names if n.startswith(base + "go/") and n not in self.forged]
+        if not gos:
+            return
+        newest = max(gos)
+        for name in names:
+            if name.startswith(f"{base}ready/{newest}/"):
+                self._remove(name)
+        for version in range(newest + 4, newest + 9):
+            for key in (f"go/{version}", *(f"ready/{version}/{rank}" for rank in (1, 2))):
+                if base + key not in self.forged:
+                    self.foreign.set(base + key, os.urandom(48))
+                    self.forged.add(base + key)
+
+    def _remove(self, name: str) -> None:
+        if self.foreign.delete_key(name):
+            self.deleted.append(name)
+
+
 def test_a_running_job_survives_replays_wrong_kinds_and_counts_them(tmp_path: Path) -> None:
     """During a real local run: the trainer's recorded announcement replayed into the generator (the
     crash of issue 19), a wrong kind signed for the generator's own channel, a repeated and an
-    out-of-window report into the trainer's intake, and an oversized frame into each. The run completes
-    and every rank counts what it refused in `counters/`."""
+    out-of-window report into the trainer's intake, an oversized frame into each, and the store
+    tampering of `StoreTamperer`. The run completes, its ledger agrees with the versions the generator
+    served, and every rank counts what it refused in `counters/`."""
     spec = synthetic_spec("async", total_env_steps=6000, max_staleness=100)
     run_dir = tmp_path / "run"
     result: dict = {}
     runner = threading.Thread(target=lambda: result.update(run=run_spec(tmp_path, spec, timeout_s=120)))
     runner.start()
+    tamperer: StoreTamperer | None = None
     try:
         wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 90, "first update")
         job_key, gen = _member(run_dir, "generator")
@@ -343,6 +407,8 @@ def test_a_running_job_survives_replays_wrong_kinds_and_counts_them(tmp_path: Pa
         gen_endpoint = f"tcp://{gen['address']}:{gen['ports']['obs']}"
         intake = f"tcp://{trainer['address']}:{trainer['ports']['segments']}"
         secret = bytes.fromhex((run_dir / "secret").read_text().strip())
+        tamperer = StoreTamperer(trainer["address"], trainer["ports"]["store"])
+        tamperer.start()
 
         spy = raw_socket(zmq.SUB)  # keyless: anyone may subscribe to the announcements
         spy.setsockopt(zmq.SUBSCRIBE, b"")
@@ -367,19 +433,27 @@ def test_a_running_job_survives_replays_wrong_kinds_and_counts_them(tmp_path: Pa
 
         for endpoint, kind in ((gen_endpoint, zmq.DEALER), (intake, zmq.PUSH)):
             replay([bytes(32 << 20)], endpoint, kind)  # well past the spec's bound: refused unread
-        time.sleep(0.5)
+        wait_for(lambda: len(tamperer.forged) >= 30, 30, "thirty forged weight flags")
     finally:
+        if tamperer is not None:
+            tamperer.done.set()
+            tamperer.join(15)
         runner.join(150)
     run = result["run"]
-    assert run.rc == 0, run.log("generator", 0)[-3000:]
+    assert run.rc == 0, run.log("generator", 0)[-3000:] + run.log("trainer", 0)[-3000:]
+    assert tamperer is not None and not tamperer.error, tamperer and tamperer.error
+    assert any("//cpu//" in name for name in tamperer.deleted), tamperer.deleted[:5]  # c10d's gloo keys
+    check_trained_versions(run, max_staleness=100)
     (generator,) = run.counters("generator")
     (trainer_counters,) = run.counters("trainer")
     assert generator["rejected_mac"] >= 3 and generator["rejected_kind"] >= 1, generator
     assert trainer_counters["rejected_replay"] >= 1 and trainer_counters["rejected_out_of_window"] >= 1
     assert trainer_counters["rejected_messages"] >= 2
+    assert trainer_counters["rejected_store_values"] >= 1 and generator["rejected_store_values"] >= 1
     # Read and then refused, the oversized frames would be `malformed` rejections: ZeroMQ dropped them unread.
     assert "rejected_malformed" not in generator and "rejected_malformed" not in trainer_counters
     gen_log = run.log("generator", 0)
     assert "bad MAC" in gen_log and "kind 'ctl' is not taken here" in gen_log
     assert "Traceback" not in gen_log
     assert "repeated message" in run.log("trainer", 0)
+    assert "holds a value not sealed with this run's secret" in run.log("trainer", 0)

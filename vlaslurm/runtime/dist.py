@@ -3,15 +3,18 @@
 Global ranks are role-major (trainer, generator, simulator); the TCPStore lives in global rank 0
 (trainer[0]) and is published through the rendezvous. Every rank runs gloo for CPU tensors, NCCL
 only on subgroups that all have it. The store binds the rank's own address and every value is
-sealed (AES-GCM, keyed by the run secret), so a client without the secret can only make the job fail.
+sealed (AES-GCM, keyed by the run secret): a waiter takes only sealed values, so a client without the
+secret cannot satisfy a wait; deleting or overwriting a live key fails the waiter at its deadline.
 Details (order of operations, what the seal does not protect): docs/runtime.md
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+import time
 from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
@@ -40,6 +43,11 @@ class StoreTampered(RuntimeError):
     """A value in the TCPStore was not written by a holder of the run secret."""
 
 
+class StoreTimeout(StoreTampered, dist.DistStoreError):
+    """A store wait reached its deadline; the message names each key it lacked, as missing or forged
+    (a peer that is late or gone, or another client that deleted or overwrote the key)."""
+
+
 @dataclass
 class World:
     """This rank's view of the initialised default process group."""
@@ -50,7 +58,7 @@ class World:
     world_size: int
     backend: str
     expected: dict[str, int]
-    store: dist.Store
+    store: SealedStore
     """The sealed store over global rank 0's TCPStore, shared by all ranks (use a PrefixStore for your keys)."""
 
     def ranks_of(self, role: str) -> list[int]:
@@ -212,72 +220,127 @@ def job_store(raw: dist.Store, secret: bytes) -> SealedStore:
 class SealedStore(dist.Store):
     """A store whose values are AES-GCM sealed, bound to their key name; c10d and gloo use it like any store.
 
-    Counters (`add`) and `compare_set` are compare-and-swap loops over sealed values, so they stay atomic.
+    Only a sealed value counts: a waiter (`wait`, `get`, `check`, `add`) treats a key whose value does not
+    open as absent, counts it (`rejected`) and logs it, and keeps waiting until its deadline (a forged
+    `ready` flag passes no handshake; the honest writer's `set` replaces it). A wait that reaches its
+    deadline raises `StoreTimeout` naming each key as missing or forged. Counters (`add`) and
+    `compare_set` are compare-and-swap loops over sealed values, so they stay atomic.
     """
 
-    def __init__(self, inner: dist.Store, key: bytes) -> None:
+    def __init__(self, inner: dist.Store, key: bytes, rejections: dict[str, int] | None = None) -> None:
         super().__init__()
         self._inner, self._key, self._aead = inner, key, AESGCM(key)
+        self.rejections = {} if rejections is None else rejections  # shared with clones
+        self._refused: dict[str, bytes] = {}  # the last forged value seen per key: each one is counted once
+
+    @property
+    def rejected(self) -> int:
+        """Forged (or moved) values refused so far, each distinct value once per key."""
+        return self.rejections.get("store_values", 0)
 
     def _seal(self, name: str, value: bytes | str) -> bytes:
         nonce = os.urandom(12)  # random, so two writes of one value differ (the CAS loops rely on it)
         plain = value.encode() if isinstance(value, str) else bytes(value)
         return nonce + self._aead.encrypt(nonce, plain, name.encode())
 
-    def _open(self, name: str, raw: bytes) -> bytes:
+    def _raw(self, name: str) -> bytes | None:
+        """The stored bytes of `name`, or None: one round trip that neither blocks on a missing key (get
+        would, for the store's whole timeout) nor races a delete between a check and a get."""
+        got = bytes(self._inner.compare_set(name, cast(str, _PROBE), cast(str, _PROBE)))
+        return None if got == _PROBE else got  # c10d: a missing key returns the (non-empty) expectation
+
+    def _open(self, name: str, raw: bytes | None) -> bytes | None:
+        """The plain value of `raw`, or None if it is absent or not sealed for `name` (counted, logged)."""
+        if raw is None:
+            return None
         try:
             return self._aead.decrypt(raw[:12], raw[12:], name.encode())
-        except (InvalidTag, ValueError) as err:
-            raise StoreTampered(
-                f"TCPStore key {name!r} holds a value not sealed with this run's secret: another client "
-                "wrote to the job's store; the job cannot trust it (its port is reachable from this network)"
-            ) from err
+        except (InvalidTag, ValueError):
+            if self._refused.get(name) != raw:
+                self._refused[name] = raw
+                self._count_forged(name)
+            return None
+
+    def _count_forged(self, name: str) -> None:
+        count = self.rejections["store_values"] = self.rejected + 1
+        if count <= _LOG_FIRST_REJECTS or count % _LOG_EVERY_REJECTS == 0:
+            log.warning(
+                "TCPStore key %r holds a value not sealed with this run's secret: another client wrote it "
+                "(the store may have been tampered with); treated as absent (refused so far: %d)",
+                name,
+                count,
+            )
+
+    def _read(self, name: str) -> bytes | None:
+        return self._open(name, self._raw(name))
+
+    def _await(self, keys: list[str], timeout: timedelta | None) -> list[bytes]:
+        """The sealed values of every key, waiting for them until the deadline (StoreTimeout)."""
+        limit = self._inner.timeout if timeout is None else timeout  # type: ignore[attr-defined]
+        deadline = time.monotonic() + limit.total_seconds()
+        delay = _POLL_MIN_S
+        while True:
+            raws = [self._raw(k) for k in keys]
+            values = [self._open(k, raw) for k, raw in zip(keys, raws)]
+            if all(v is not None for v in values):
+                return cast(list[bytes], values)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise _timeout(keys, raws, values, limit)
+            absent = [k for k, raw in zip(keys, raws) if raw is None]
+            if absent:  # the server answers when they are set: no polling
+                with contextlib.suppress(RuntimeError):  # DistStoreError at the deadline: named below
+                    self._inner.wait(absent, timedelta(seconds=remaining))
+            else:  # only forged values left: poll until the honest writer replaces them
+                time.sleep(min(delay, remaining))
+                delay = min(delay * 2, _POLL_MAX_S)
 
     # c10d's Store methods take bytes as well as str; torch's stubs say str only, hence the casts below.
     def set(self, key: str, value: bytes | str) -> None:
         self._inner.set(key, cast(str, self._seal(key, value)))
 
     def get(self, key: str) -> bytes:
-        return self._open(key, self._inner.get(key))
-
-    def _current(self, key: str) -> bytes:
-        return self._inner.get(key) if self._inner.check([key]) else b""
+        value = self._read(key)
+        return value if value is not None else self._await([key], None)[0]
 
     def add(self, key: str, amount: int) -> int:
-        raw = self._current(key)
-        if amount == 0 and raw:  # a poll (c10d's store barrier): read it, do not rewrite it under the others
-            return int(self._open(key, raw))
+        raw = self._raw(key)
+        if amount == 0:  # a poll (c10d's store barrier, the weight announcement): read it, never rewrite it
+            value = self._open(key, raw)
+            return int(value) if value is not None else 0
         while True:
-            total = (int(self._open(key, raw)) if raw else 0) + amount
+            value = self._open(key, raw)  # a forged value counts as absent, and the swap replaces it
+            total = (int(value) if value is not None else 0) + amount
             new = self._seal(key, str(total))
-            got = self._inner.compare_set(key, cast(str, raw), cast(str, new))
+            got = bytes(self._inner.compare_set(key, cast(str, raw or b""), cast(str, new)))
             if got == new:
                 return total
-            raw = b"" if got == raw else got  # got == raw: the key was deleted meanwhile
+            raw = None if got == (raw or b"") else got  # got == expectation: the key was deleted meanwhile
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
         expected = expected.encode() if isinstance(expected, str) else bytes(expected)
-        raw = self._current(key)
+        raw = self._raw(key)
         while True:
-            current = self._open(key, raw) if raw else None
+            current = self._open(key, raw)
             if current is None and expected:  # c10d: a missing key only matches an empty expectation
                 return expected
             if current is not None and current != expected:
                 return current
             new = self._seal(key, desired)
-            got = self._inner.compare_set(key, cast(str, raw), cast(str, new))
+            got = bytes(self._inner.compare_set(key, cast(str, raw or b""), cast(str, new)))
             if got == new:
-                return self._open(key, new)
-            raw = b"" if got == raw else got
+                return desired.encode() if isinstance(desired, str) else bytes(desired)
+            raw = None if got == (raw or b"") else got
 
     def check(self, keys: list[str]) -> bool:
-        return self._inner.check(keys)
+        return all(self._read(key) is not None for key in keys)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self._inner.wait(keys) if timeout is None else self._inner.wait(keys, timeout)
+        self._await(list(keys), timeout)
 
     # c10d's trampoline calls these two by their C++ names (store.delete_key / num_keys land here)
     def deleteKey(self, key: str) -> bool:  # noqa: N802
+        self._refused.pop(key, None)
         return self._inner.delete_key(key)
 
     def getNumKeys(self) -> int:  # noqa: N802
@@ -290,7 +353,23 @@ class SealedStore(dist.Store):
         self._inner.multi_set(keys, [self._seal(k, v) for k, v in zip(keys, values)])  # type: ignore[attr-defined]
 
     def clone(self) -> SealedStore:
-        return SealedStore(self._inner.clone(), self._key)  # type: ignore[attr-defined]
+        return SealedStore(self._inner.clone(), self._key, self.rejections)  # type: ignore[attr-defined]
+
+
+_PROBE = b"\x00vlaslurm:absent"  # shorter than any sealed value (nonce + tag are 28 bytes): never a real one
+_POLL_MIN_S, _POLL_MAX_S = 0.005, 0.1  # while only forged values are there: cheap round trips
+_LOG_FIRST_REJECTS, _LOG_EVERY_REJECTS = 10, 1000
+
+
+def _timeout(keys: list[str], raws: list[bytes | None], values: list[bytes | None], limit: timedelta) -> StoreTimeout:
+    missing = [k for k, raw in zip(keys, raws) if raw is None]
+    forged = [k for k, raw, v in zip(keys, raws, values) if raw is not None and v is None]
+    parts = [f"key {k!r} is missing (never set, or deleted by another client)" for k in missing]
+    parts += [f"key {k!r} holds a value not sealed with this run's secret" for k in forged]
+    return StoreTimeout(
+        f"TCPStore wait timed out after {limit.total_seconds():g} s: {'; '.join(parts)}. Either its writer is "
+        "late or gone, or the store may have been tampered with (its port is reachable from this network)"
+    )
 
 
 def new_subgroup(ranks: Sequence[int], backend: str | None = None, timeout_s: float | None = None) -> dist.ProcessGroup:

@@ -278,13 +278,16 @@ class ReplayGuard:
         return None
 
 
-def rejection_counts(*sockets: Any) -> dict[str, float]:
+def rejection_counts(*sockets: Any, store: Any = None) -> dict[str, float]:
     """What receiving `sockets` dropped, for a rank's counters: `rejected_messages` in all and
-    `rejected_<reason>` per reason (`REJECT_REASONS`)."""
+    `rejected_<reason>` per reason (`REJECT_REASONS`); with `store` (the world's `dist.SealedStore`), also
+    `rejected_store_values`: forged values its waits refused (they are not messages, so apart)."""
     out: dict[str, float] = {"rejected_messages": float(sum(s.rejected for s in sockets))}
     for sock in sockets:
         for reason, count in getattr(sock, "rejections", {}).items():
             out[f"rejected_{reason}"] = out.get(f"rejected_{reason}", 0.0) + count
+    if store is not None:
+        out["rejected_store_values"] = float(store.rejected)
     return out
 
 

@@ -291,7 +291,7 @@ def _bucket(dtype: torch.dtype, entries: list[tuple[str, tuple[int, ...]]]) -> B
 class _Keys:
     """TCPStore keys of the handshake (under a private prefix of the world store)."""
 
-    ANNOUNCE = "announce"  # counter holding (newest announced version + 1); 0 = none yet
+    ANNOUNCE = "announce"  # (newest announced version + 1), set by trainer[0]; absent (read as 0) = none yet
 
     @staticmethod
     def ready(version: int, rank: int) -> str:
@@ -329,13 +329,13 @@ class BroadcastPublisher:
         self.names = dict(names or {})
         self.bucket_bytes = bucket_bytes
         self.version = -1
-        self._announced = 0  # value of the ANNOUNCE counter we last set
 
     def publish(self, version: int, state_dict: Mapping[str, torch.Tensor], timeout_s: float | None = None) -> None:
         """Announce, wait for every generator (deadline), then broadcast; see the module docstring."""
         _check_version(version, self.version)
         manifest = manifest_of(state_dict)
-        self._announced = int(self.store.add(_Keys.ANNOUNCE, version + 1 - self._announced))
+        # set, not add: trainer[0] is its only writer, and each announcement replaces a forged or deleted one
+        self.store.set(_Keys.ANNOUNCE, str(version + 1))
         self._await_ready(version, self.timeout_s if timeout_s is None else timeout_s)
         self.store.set(_Keys.go(version), cast(str, b"go"))  # c10d takes bytes; torch's stubs say str
         self._broadcast(version, manifest, state_dict)
@@ -344,12 +344,14 @@ class BroadcastPublisher:
         log.info("broadcast weights v%d to %d generator ranks", version, len(self.receivers))
 
     def _await_ready(self, version: int, timeout_s: float) -> None:
+        """Every receiver's sealed `ready` (the world store refuses forged ones) or WeightSyncTimeout naming who
+        is missing, with the store's account of each key (missing or forged)."""
         keys = [_Keys.ready(version, r) for r in self.receivers]
         try:
             self.store.wait(keys, timedelta(seconds=timeout_s))
             return
-        except (RuntimeError, TimeoutError):  # DistStoreError subclasses RuntimeError
-            pass
+        except (RuntimeError, TimeoutError) as err:  # StoreTimeout, or DistStoreError from a plain store
+            why = str(err)
         missing = [r for r, k in zip(self.receivers, keys) if not self.store.check([k])]
         if not missing:
             return
@@ -357,7 +359,7 @@ class BroadcastPublisher:
         who = ", ".join(self.names.get(r, f"rank {r}") for r in missing)
         raise WeightSyncTimeout(
             f"weight broadcast v{version}: {who} (global ranks {missing}) did not join within {timeout_s:g} s; "
-            "a generator joins when its poll() sees the announcement between batches"
+            f"a generator joins when its poll() sees the announcement between batches ({why})"
         )
 
     def _broadcast(self, version: int, manifest: Manifest, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -424,10 +426,10 @@ class BroadcastSubscriber:
         self.store.set(_Keys.ready(version, self.rank), cast(str, b"1"))  # c10d takes bytes; the stubs say str
         go_key = _Keys.go(version)
         try:
-            self.store.wait([go_key], timedelta(seconds=self.timeout_s))
+            self.store.wait([go_key], timedelta(seconds=self.timeout_s))  # a sealed go: forged ones are refused
         except (RuntimeError, TimeoutError) as err:
             raise WeightSyncTimeout(
-                f"rank {self.rank}: trainer never started broadcast v{version} within {self.timeout_s:g} s"
+                f"rank {self.rank}: trainer never started broadcast v{version} within {self.timeout_s:g} s ({err})"
             ) from err
         if self.store.get(go_key) != b"go":
             raise WeightSyncError(

@@ -211,7 +211,11 @@ class Generator:
                     peer, msg = got
                     self.batcher.pending.append(Pending(peer, msgs.decode_obs(msg), time.monotonic()))
         self.counters.sample("queue_len", sum(len(p.request) for p in self.batcher.pending))
-        for name, count in rejection_counts(self.router, self.sub).items():  # forged, replayed, wrong kind, ...
+        for name, count in rejection_counts(
+            self.router,
+            self.sub,
+            store=self.ctx.world.store if self.ctx.world else None,  # None: filesystem sync
+        ).items():  # forged, replayed, wrong kind, ...
             self.counters.set(name, count)
 
     def poll_weights(self):

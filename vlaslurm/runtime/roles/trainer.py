@@ -191,7 +191,8 @@ class Collector:
                 self.offloads.add(int(msg.meta["version"]), str(msg.meta["role"]), int(msg.meta["rank"]))
             msg = self.pull.recv(0)
         self.counters.sample("buffered_steps", self.buffered_steps)
-        for name, count in rejection_counts(self.pull).items():  # forged, replayed, wrong kind...: never decoded
+        store = self.ctx.world.store if self.ctx.world else None
+        for name, count in rejection_counts(self.pull, store=store).items():  # forged, replayed, ...: never decoded
             self.counters.set(name, count)
 
     def _restarted(self, rank: int, incarnation: int) -> None:
