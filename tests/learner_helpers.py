@@ -7,14 +7,14 @@ an episode's end, a version change cutting a segment mid-episode).
 
 from __future__ import annotations
 
-from typing import List
+from typing import Any, Dict, List, cast
 
 import numpy as np
 import torch
 
 from vlaslurm.envs.toy import make as make_toy
 from vlaslurm.models import PolicyInput, build_policy
-from vlaslurm.runtime.episodes import EnvTrack, mix_seed, run_chunk, split_obs, stack_obs
+from vlaslurm.runtime.episodes import EnvObs, EnvTrack, mix_seed, run_chunk, split_obs, stack_obs
 from vlaslurm.runtime.messages import Segment
 from vlaslurm.spec.algo_types import GRPOConfig, PPOConfig
 from vlaslurm.spec.env_types import ToyEnvConfig
@@ -29,11 +29,13 @@ def tiny_policy(seed: int = 0):
 
 
 def algo_config(kind: str, level: str, minibatches: int = 3):
-    """The learner tests' PPO or GRPO (groups of 4) at `algo.logprob_level` `level`: 2 epochs, lr 1e-3."""
-    common = dict(lr=1e-3, epochs=2, minibatches=minibatches, logprob_level=level)
+    """The learner tests' PPO or GRPO (groups of 4) at `algo.logprob_level` `level`: 2 epochs, lr 1e-3. GRPO keeps
+    every group on the chunk advantage (the defaults before issue 17), so that every update on these short
+    rollouts, whose groups often all fail, moves the parameters."""
+    common: Dict[str, Any] = dict(lr=1e-3, epochs=2, minibatches=minibatches, logprob_level=level)
     if kind == "ppo":
         return PPOConfig(type="ppo", **common)
-    return GRPOConfig(type="grpo", group_size=4, **common)
+    return GRPOConfig(type="grpo", group_size=4, success_filter=[0.0, 1.0], advantage="chunk", **common)
 
 
 def rollout_segments(
@@ -62,7 +64,7 @@ def rollout_segments(
     gen = torch.Generator().manual_seed(seed)
     for step in range(chunks):
         version = step // version_every if version_every else 0
-        obs = stack_obs([t.obs for t in tracks])
+        obs = stack_obs([cast(EnvObs, t.obs) for t in tracks])  # every track has started
         inp = PolicyInput(
             torch.from_numpy(obs.images),
             torch.from_numpy(obs.state),

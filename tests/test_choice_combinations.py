@@ -1,7 +1,9 @@
 """Every combination of the learner's choices that `plan` accepts also trains: algo type x logprob_level x
-value_level (PPO) / advantage (GRPO) x offpolicy_correction, the full product (45 specs), each loaded as `plan`
-loads it and then updated once in-process on a real rollout batch. What plan refuses it refuses naming an algo
-field; no NotImplementedError or other error may come from a spec it accepts."""
+value_level (PPO) / advantage (GRPO) x offpolicy_correction, the full product (45 specs), with entropy_level
+assigned as a Latin square over it (index sum mod 3), so that every entropy_level meets every value of every
+other choice (all pairs), and the KL penalty on in half of them; each loaded as `plan` loads it and then updated
+once in-process on a real rollout batch. What plan refuses it refuses naming an algo field; no
+NotImplementedError or other error may come from a spec it accepts."""
 
 from __future__ import annotations
 
@@ -19,16 +21,42 @@ from vlaslurm.spec.errors import SpecError
 
 LEVELS = ("token", "action", "chunk")
 CORRECTIONS = ("none", "decoupled", "tis")
+
+
+def with_pairs(algo: dict, i: int, j: int, k: int) -> dict:
+    """`algo` (the (i, j, k)-th of its product) with its entropy_level (Latin square) and kl_coef."""
+    return {**algo, "entropy_level": LEVELS[(i + j + k) % 3], "kl_coef": 0.1 if (i + k) % 2 == 0 else 0.0}
+
+
 CHOICES = [
     *(
-        {"type": "ppo", "logprob_level": lv, "value_level": vl, "offpolicy_correction": c}
-        for lv, vl, c in itertools.product(LEVELS, ("action", "chunk"), CORRECTIONS)
+        with_pairs({"type": "ppo", "logprob_level": lv, "value_level": vl, "offpolicy_correction": c}, i, j, k)
+        for (i, lv), (j, vl), (k, c) in itertools.product(
+            enumerate(LEVELS), enumerate(("action", "chunk")), enumerate(CORRECTIONS)
+        )
     ),
     *(
-        {"type": "grpo", "group_size": 2, "logprob_level": lv, "advantage": adv, "offpolicy_correction": c}
-        for lv, adv, c in itertools.product(LEVELS, ("chunk", "step", "episode"), CORRECTIONS)
+        with_pairs(
+            {"type": "grpo", "group_size": 2, "logprob_level": lv, "advantage": adv, "offpolicy_correction": c},
+            i,
+            j,
+            k,
+        )
+        for (i, lv), (j, adv), (k, c) in itertools.product(
+            enumerate(LEVELS), enumerate(("chunk", "step", "episode")), enumerate(CORRECTIONS)
+        )
     ),
 ]
+
+
+def test_entropy_level_meets_every_other_choice():
+    for kind in ("ppo", "grpo"):
+        rows = [a for a in CHOICES if a["type"] == kind]
+        for key in ("logprob_level", "value_level" if kind == "ppo" else "advantage", "offpolicy_correction"):
+            values = {a[key] for a in rows}
+            pairs = {(a[key], a["entropy_level"]) for a in rows}
+            assert pairs == set(itertools.product(values, LEVELS)), (kind, key)
+        assert {(a["logprob_level"], a["kl_coef"] > 0) for a in rows} == set(itertools.product(LEVELS, (True, False)))
 
 
 @pytest.fixture(scope="module")

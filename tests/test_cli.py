@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -27,6 +28,10 @@ def test_plan_prints_summary_and_script(tmp_path: Path) -> None:
     assert "#!/bin/bash" in out and "#SBATCH --time=02:00:00" in out and "#SBATCH hetjob" in out
     assert out.count("launch ") >= 3
     assert not tmp_path.exists() or not any(tmp_path.iterdir()), "plan must write nothing"
+    # The resolved algorithm, defaults the spec does not name included (robotwin.yaml names neither).
+    assert "resolved algo, trainer, rollout" in out
+    assert re.search(r"^  kl_coef: 0\.0$", out, re.M) and re.search(r"^  publish_every: 1$", out, re.M), out
+    assert re.search(r"^  strategy: replicate$", out, re.M), out
 
 
 BASE = """\

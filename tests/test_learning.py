@@ -67,7 +67,10 @@ def toy_spec(algo: dict, mode: str, total_env_steps: int) -> dict:
 
 
 PPO = {"type": "ppo", "gamma": 0.99, "gae_lambda": 0.8}
-GRPO = {"type": "grpo", "group_size": 4}  # 16 distinct starts per update learned ~2x faster than 8 groups of 8
+# 16 distinct starts per update learned ~2x faster than 8 groups of 8. The toy reward is shaped: dense chunk credit
+# and every group kept (the defaults before issue 17); the paper's outcome advantage reached 0.10 by 60k env steps
+# in sync mode (filter off; 0.07 with its [0.1, 0.9] filter, which drops the early all-fail groups' shaped signal).
+GRPO = {"type": "grpo", "group_size": 4, "advantage": "chunk", "success_filter": [0.0, 1.0]}
 
 
 def final_success(run_dir: Path) -> float:

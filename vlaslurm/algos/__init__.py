@@ -18,8 +18,10 @@ from vlaslurm.algos.grpo import (
 )
 from vlaslurm.algos.offpolicy import CORRECTIONS, policy_loss, tis_policy_loss, truncated_is_weight
 from vlaslurm.algos.ppo import (
+    entropy_at_level,
     entropy_bonus,
     explained_variance,
+    kl_k3,
     masked_mean,
     ppo_policy_loss,
     sequence_mean,
@@ -31,6 +33,7 @@ __all__ = [
     "action_level_gae",
     "chunk_rewards",
     "compute_gae",
+    "entropy_at_level",
     "entropy_bonus",
     "expand_chunk",
     "explained_variance",
@@ -38,6 +41,7 @@ __all__ = [
     "group_advantages",
     "group_advantages_per_step",
     "grpo_policy_loss",
+    "kl_k3",
     "masked_mean",
     "policy_loss",
     "ppo_policy_loss",

@@ -22,7 +22,8 @@ from vlaslurm.algos.batch import TrainBatch, episode_layout
 from vlaslurm.algos.gae import action_level_gae, chunk_rewards, compute_gae, expand_chunk
 from vlaslurm.algos.grpo import group_advantages, group_advantages_per_step, reward_to_go, success_filter_mask
 from vlaslurm.algos.offpolicy import policy_loss
-from vlaslurm.algos.ppo import explained_variance, masked_mean, value_errors
+from vlaslurm.algos.ppo import entropy_at_level, explained_variance, kl_k3, masked_mean, value_errors
+from vlaslurm.algos.reference import FrozenReference
 from vlaslurm.spec.algo_types import GRPO_ADVANTAGES, AlgoConfig, GRPOConfig, PPOConfig, SyntheticAlgoConfig
 from vlaslurm.spec.registry import Registry
 from vlaslurm.spec.trainer_types import OptimizerConfig, TrainerSpec
@@ -119,16 +120,25 @@ def evaluate_all(
 @dataclass(frozen=True)
 class MinibatchCounts:
     """Counts of the whole minibatch (all ranks), so that every shard's and micro-batch's losses add up to the
-    minibatch mean: decision steps, executed actions, and ratios at the logprob level."""
+    minibatch mean: decision steps, executed actions, ratios at the logprob level, entropies at the entropy
+    level."""
 
     steps: int
     actions: int
     ratios: int
+    entropy_units: int  # tokens, executed actions or chunks at algo.entropy_level
+
+
+def _entropy_units(t: Dict[str, Tensor], rows: Tensor, cols: Tensor, level: str) -> int:
+    """How many entropies the minibatch's bonus averages at `algo.entropy_level`."""
+    executed = int(t["mask"][rows, cols].sum())
+    return len(rows) if level == "chunk" else executed * (t["actions"].shape[-1] if level == "token" else 1)
 
 
 class PolicyStep:
     """One optimiser step of a clipped policy-gradient loss on a minibatch of decision steps, shared by
-    PPO and GRPO: the ratio at `algo.logprob_level`, the off-policy correction, the entropy bonus, an
+    PPO and GRPO: the ratio at `algo.logprob_level`, the off-policy correction, the entropy bonus at
+    `algo.entropy_level`, the KL penalty to the frozen initial policy (`algo.kl_coef`, k3 per ratio), an
     optional extra term (PPO's value loss), data-parallel loss scaling, gradient accumulation over
     `trainer.micro_batch_size` and the gradient sum."""
 
@@ -143,7 +153,17 @@ class PolicyStep:
         self.cfg, self.policy, self.dp, self.entropy_coef = cfg, policy, dp, entropy_coef
         self.trainer = trainer or TrainerSpec()
         self.params = [p for p in policy.parameters() if p.requires_grad]
+        # Before any update: the reference is the initial policy (on resume too, built before the checkpoint loads).
+        self.reference = FrozenReference(policy) if cfg.kl_coef > 0 else None
         self.opt = make_optimizer(policy, cfg.lr, self.trainer.optimizer)
+
+    def reference_logprobs(self, batch: TrainBatch) -> Optional[Tensor]:
+        """The frozen reference's log-probs of the stored actions ([N, T, C], or [N, T, C, A] at token level);
+        None without a KL penalty."""
+        if self.reference is None:
+            return None
+        with self.reference.swapped():
+            return evaluate_all(self.policy, batch, values=False, tokens=self.cfg.logprob_level == "token")[1]
 
     def __call__(
         self,
@@ -154,20 +174,27 @@ class PolicyStep:
         prox: Tensor,
         stats: Stats,
         extra: Optional[Extra] = None,
+        ref: Optional[Tensor] = None,
     ) -> None:
         """`adv` [N, T] per decision step, or [N, T, C] per action; `extra(out, rows, cols, counts)` returns an extra
-        loss term (PPO's value loss) already divided by the minibatch's counts."""
+        loss term (PPO's value loss) already divided by the minibatch's counts; `ref` the reference's log-probs
+        (`reference_logprobs`) when `algo.kl_coef` > 0."""
         t = batch.tensors
         level = self.cfg.logprob_level
         n_actions = int(t["mask"][rows, cols].sum())
         per_action = t["actions"].shape[-1] if level == "token" else 1
-        counts = MinibatchCounts(len(rows), n_actions, len(rows) if level == "chunk" else n_actions * per_action)
+        counts = MinibatchCounts(
+            len(rows),
+            n_actions,
+            len(rows) if level == "chunk" else n_actions * per_action,
+            _entropy_units(t, rows, cols, self.cfg.entropy_level),
+        )
         count = self.dp.micro_batches(len(rows), self.trainer.micro_batch_size)
         rows, cols = self.dp.shard(rows), self.dp.shard(cols)
         self.opt.zero_grad(set_to_none=True)
         parts: List[Tuple[float, float, Dict[str, Tensor]]] = []
         for micro in torch.arange(len(rows)).tensor_split(count) if count else ():
-            loss, weights, part = self._loss(batch, rows[micro], cols[micro], adv, prox, counts, extra)
+            loss, weights, part = self._loss(batch, rows[micro], cols[micro], adv, prox, counts, extra, ref)
             loss.backward()  # gradients accumulate: each micro-batch's loss is its share of the minibatch mean
             parts.append((*weights, part))
         self.dp.sum_grads(self.params)
@@ -185,6 +212,7 @@ class PolicyStep:
         prox: Tensor,
         counts: MinibatchCounts,
         extra: Optional[Extra],
+        ref: Optional[Tensor] = None,
     ) -> Tuple[Tensor, Tuple[float, float], Dict[str, Tensor]]:
         """(this micro-batch's share of the minibatch loss, its weights in the shard's statistics, statistics)."""
         t = batch.tensors
@@ -199,15 +227,18 @@ class PolicyStep:
                 return torch.where(mask, x, torch.zeros_like(x)).sum(-1)
 
             new, old, proximal, lmask = chunk_sum(out.logprob), chunk_sum(behaviour), chunk_sum(proximal), None
+            reference = None if ref is None else chunk_sum(ref[rows, cols])
             local = len(rows)
         elif level == "action":  # one ratio per executed action
             new, old, lmask = out.logprob, behaviour, mask
             a = expand_chunk(a, mask.shape[-1]) if a.ndim == 1 else a  # a chunk's advantage, or each action's
+            reference = None if ref is None else ref[rows, cols]
             local = int(mask.sum())
         else:  # token: one ratio per action dimension of each executed action
             new, old = token_logprob(out.token_logprob), behaviour
             lmask = mask[..., None].expand_as(new)
             a = (expand_chunk(a, mask.shape[-1]) if a.ndim == 1 else a)[..., None].expand_as(new)
+            reference = None if ref is None else ref[rows, cols]
             local = int(lmask.sum())
         pg, pg_stats = policy_loss(
             new,
@@ -221,14 +252,18 @@ class PolicyStep:
             lmask,
             dual_clip=self.cfg.dual_clip,
         )
-        entropy = masked_mean(out.entropy, mask)
+        entropy, units = entropy_at_level(out.entropy, mask, self.cfg.entropy_level, t["actions"].shape[-1])
         # Means over this micro-batch -> its part of the minibatch mean (exact under data parallelism).
-        executed = int(mask.sum())
-        share, entropy_share = local / max(counts.ratios, 1), executed / max(counts.actions, 1)
+        share, entropy_share = local / max(counts.ratios, 1), units / max(counts.entropy_units, 1)
         loss = pg * share - self.entropy_coef * entropy * entropy_share
+        stats = {**pg_stats, "losses/entropy": entropy.detach()}
+        if reference is not None:  # k3 per ratio, a mean over the same ratios as the policy loss
+            kl = masked_mean(kl_k3(new, reference), lmask)
+            loss = loss + self.cfg.kl_coef * kl * share
+            stats["losses/ref_kl"] = kl.detach()
         if extra is not None:
             loss = loss + extra(out, rows, cols, counts)
-        return loss, (float(local), float(executed)), {**pg_stats, "losses/entropy": entropy.detach()}
+        return loss, (float(local), float(units)), stats
 
 
 # PPO's value loss: (the policy's outputs, rows, cols, the minibatch's counts) -> its share of the minibatch mean.
@@ -253,7 +288,7 @@ def make_optimizer(policy: nn.Module, lr: float, cfg: OptimizerConfig) -> torch.
 
 def _weighted_stats(parts: List[Tuple[float, float, Dict[str, Tensor]]]) -> Dict[str, float]:
     """The shard's statistics from its micro-batches': ratio statistics weighted by their ratios, the entropy by
-    executed actions (with one micro-batch, exactly that micro-batch's values)."""
+    its units at the entropy level (with one micro-batch, exactly that micro-batch's values)."""
     out: Dict[str, float] = {}
     for key in parts[0][2] if parts else ():
         entropy = key == "losses/entropy"
@@ -305,10 +340,11 @@ class PPOLearner:
         padded = ~t["step_valid"]
         terminated = (last & t["terminated"][:, None]) | padded
         truncated = last & ~t["terminated"][:, None]
+        rewards = t["rewards"] * self.cfg.reward_scale
         if self.cfg.value_level == "action":
             mask = t["mask"] & t["step_valid"][..., None]
             adv, ret = action_level_gae(
-                t["rewards"].transpose(0, 1),
+                rewards.transpose(0, 1),
                 values[:, :T].transpose(0, 1),
                 values[:, 1:, 0].T,  # after a chunk: the next observation's value before its first action
                 mask.transpose(0, 1),
@@ -318,7 +354,7 @@ class PPOLearner:
                 self.cfg.gae_lambda,
             )
             return adv.transpose(0, 1), ret.transpose(0, 1)
-        reward, discount = chunk_rewards(t["rewards"], t["mask"], self.cfg.gamma)
+        reward, discount = chunk_rewards(rewards, t["mask"], self.cfg.gamma)
         adv, ret = compute_gae(
             reward.T, values[:, :T].T, values[:, 1:].T, terminated.T, truncated.T, discount.T, self.cfg.gae_lambda
         )
@@ -337,6 +373,7 @@ class PPOLearner:
         rows, cols = valid.nonzero(as_tuple=True)
         gen = torch.Generator().manual_seed(self.seed * 100003 + version)
         stats: Stats = {}
+        ref = self.step.reference_logprobs(batch)
 
         cfg = self.cfg
         huber = cfg.huber_delta if cfg.value_loss == "huber" else None
@@ -356,7 +393,7 @@ class PPOLearner:
 
         for _ in range(self.cfg.epochs):
             for mb in _minibatches(len(rows), self.cfg.minibatches, gen):
-                self.step(batch, rows[mb], cols[mb], adv, prox, stats, value_term)
+                self.step(batch, rows[mb], cols[mb], adv, prox, stats, value_term, ref)
         out = _mean_stats(stats)
         predicted = values[:, :-1][scored] if per_action else values[:, :-1][valid]
         out["losses/explained_variance"] = explained_variance(predicted, ret[scored])
@@ -373,10 +410,12 @@ class GRPOLearner:
     or a group one of whose segments was dropped as stale, is left out), and groups outside
     `algo.success_filter` are dropped. Advantages (`advantage`):
 
+    - `episode` (the default, the paper's outcome reward): the episode return normalised within the
+      group, for every chunk;
     - `chunk`: each chunk's reward normalised against the same chunk index of the group's other
-      episodes still running (dense credit; the default, it learns fastest on shaped rewards);
-    - `step`: the reward-to-go of those normalised chunk rewards (process-supervised GRPO);
-    - `episode`: the episode return normalised within the group, for every chunk.
+      episodes still running (dense credit, for shaped rewards: with a sparse success reward the early
+      chunks of a successful episode get no positive advantage);
+    - `step`: the reward-to-go of those normalised chunk rewards (process-supervised GRPO).
 
     The loss of each trajectory is averaged over its valid actions (or chunks), then over
     trajectories: every episode weighs the same whatever its length.
@@ -395,7 +434,8 @@ class GRPOLearner:
         """Per decision step: the advantage [N, T] and whether the step is used [N, T]."""
         t = batch.tensors
         lay = episode_layout(batch, self.cfg.group_size)
-        reward = torch.where(t["mask"], t["rewards"], torch.zeros_like(t["rewards"])).sum(-1)  # [N, T]
+        rewards = t["rewards"] * self.cfg.reward_scale  # group normalisation undoes the scale but for its eps
+        reward = torch.where(t["mask"], rewards, torch.zeros_like(rewards)).sum(-1)  # [N, T]
         E, L = lay.num_episodes, lay.max_chunks
         ep_reward = torch.zeros(E, L, dtype=reward.dtype, device=reward.device)
         ep_valid = torch.zeros(E, L, dtype=torch.bool, device=reward.device)
@@ -446,9 +486,10 @@ class GRPOLearner:
         rows, cols = used.nonzero(as_tuple=True)
         gen = torch.Generator().manual_seed(self.seed * 100003 + version)
         stats: Stats = {}
+        ref = self.step.reference_logprobs(batch)
         for _ in range(self.cfg.epochs):
             for mb in _minibatches(len(rows), self.cfg.minibatches, gen):
-                self.step(batch, rows[mb], cols[mb], adv, prox, stats)
+                self.step(batch, rows[mb], cols[mb], adv, prox, stats, ref=ref)
         return {**_mean_stats(stats), **info}
 
 

@@ -144,6 +144,35 @@ def entropy_bonus(entropy: Tensor, mask: Optional[Tensor] = None) -> Tensor:
     return masked_mean(entropy, mask)
 
 
+def entropy_at_level(entropy: Tensor, mask: Tensor, level: str, action_dim: int) -> Tuple[Tensor, int]:
+    """The mean entropy per token, action or chunk (`algo.entropy_level`) and how many of those it averages.
+
+    ``entropy`` ``[B, C]`` is each action's entropy, the sum over its ``action_dim`` dimensions' (every policy's
+    distribution factorises so), ``mask`` ``[B, C]`` its executed actions. ``token``: the mean over action
+    dimensions (each action's entropy / action_dim); ``action``: over executed actions; ``chunk``: each chunk's
+    sum over its executed actions, averaged over chunks (RLinf's entropy_type).
+    """
+    executed = int(mask.sum())
+    if level == "action":
+        return masked_mean(entropy, mask), executed
+    if level == "token":
+        return masked_mean(entropy / action_dim, mask), executed * action_dim
+    if level == "chunk":
+        return torch.where(mask.bool(), entropy, torch.zeros_like(entropy)).sum(-1).mean(), entropy.shape[0]
+    raise ValueError(f"algo.entropy_level must be token, action or chunk, got {level!r}")
+
+
+def kl_k3(new_logprob: Tensor, ref_logprob: Tensor) -> Tensor:
+    """Per element, Schulman's k3 estimate of KL(new || ref): ``exp(ref - new) - (ref - new) - 1``.
+
+    Unbiased for samples of the current policy, never negative, low variance (the GRPO paper's and RLinf's
+    ``low_var_kl``); the reference's log-probs are constants. The log-ratio is clamped to +-20 (as verl's
+    ``low_var_kl``), so a far-off element cannot overflow ``exp``.
+    """
+    delta = (ref_logprob.detach() - new_logprob).clamp(-20.0, 20.0)
+    return delta.exp() - delta - 1.0
+
+
 def explained_variance(y_pred: Tensor, y_true: Tensor, mask: Optional[Tensor] = None) -> float:
     """``1 - Var[y_true - y_pred] / Var[y_true]`` over valid entries; nan if ``Var[y_true]`` is 0.
 

@@ -26,6 +26,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return plan_auto(args, loaded, runs_root(args))
     plan = build_plan(loaded)
     print_plan(loaded, plan)
+    print_resolved(loaded)
     for line in describe(loaded, plan):
         console.print(line, markup=False)
     console.print("[bold]sbatch script[/bold]")
@@ -35,6 +36,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         console.print(test_only(loaded, runs_root(args)).strip(), markup=False)
     return 0
+
+
+RESOLVED_SECTIONS = ("algo", "trainer", "rollout")  # what users tune most, with every default filled in
+
+
+def print_resolved(loaded: LoadedSpec) -> None:
+    """The sections that decide what is learned and how, as the runtime will read them (defaults included)."""
+    import yaml
+
+    resolved = loaded.to_dict()
+    text = yaml.safe_dump({k: resolved[k] for k in RESOLVED_SECTIONS}, sort_keys=False, default_flow_style=None)
+    console.print("[bold]resolved " + ", ".join(RESOLVED_SECTIONS) + "[/bold] (defaults filled in)")
+    console.print(text.rstrip(), markup=False, soft_wrap=True)
 
 
 def print_plan(loaded: LoadedSpec, plan: HetjobPlan) -> None:

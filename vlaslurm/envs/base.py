@@ -23,6 +23,12 @@ def tasks_of(tasks: Sequence[T], first_gid: int, num_envs: int, group_size: int 
     return [tasks[((first_gid + i) // group_size) % len(tasks)] for i in range(num_envs)]
 
 
+def listed_seed(seeds: Sequence[int], group: int, episode: int, groups: int) -> int:
+    """`env.reset_seeds`' seed of a group's `episode`-th episode: episode i = episode x groups + group resets with
+    seeds[i mod len], so the first round of episodes takes the first `groups` seeds, the next the following ones."""
+    return int(seeds[(episode * groups + group) % len(seeds)])
+
+
 @dataclass
 class Observation:
     """Observations of `n` instances (the ones that were asked for, in that order)."""

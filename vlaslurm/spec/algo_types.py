@@ -9,6 +9,8 @@ from vlaslurm.spec.registry import doc, register
 
 GrpoAdvantage = Literal["chunk", "step", "episode"]
 GRPO_ADVANTAGES: tuple = get_args(GrpoAdvantage)
+Level = Literal["token", "action", "chunk"]  # the granularity of a log-prob, an entropy or a KL term
+LEVELS: tuple = get_args(Level)
 
 
 @dataclass
@@ -26,10 +28,21 @@ class AlgoConfig:
         "decoupled", "Stale-sample correction: none, decoupled (decoupled PPO) or tis (truncated IS)."
     )
     tis_cap: float = doc(2.0, "Upper bound of the behaviour importance weight.")
-    logprob_level: Literal["token", "action", "chunk"] = doc("chunk", "Granularity of log-probs.")
+    logprob_level: Level = doc("chunk", "Granularity of log-probs.")
     dual_clip: Optional[float] = doc(
         None, "Dual-clip PPO's c > 1 (RLinf's clip_ratio_c, e.g. 3): a negative advantage's loss is at most -c A."
     )
+    entropy_level: Level = doc(
+        "action",
+        "Entropy bonus per token (an action dimension's entropy), per action (the sum over its dimensions) or "
+        "per chunk (the sum over the chunk's executed actions), averaged over the minibatch at that level.",
+    )
+    kl_coef: float = doc(
+        0.0,
+        "Weight of a KL penalty to the frozen initial policy, estimated with k3 = exp(ref - new) - (ref - new) - 1 "
+        "per ratio at logprob_level (0: off, no reference kept).",
+    )
+    reward_scale: float = doc(1.0, "Every env reward is multiplied by this before returns and advantages.")
 
     @property
     def episodes_per_group(self) -> int:
@@ -60,11 +73,17 @@ class GRPOConfig(AlgoConfig):
     """GRPO: group-relative advantages, no critic."""
 
     group_size: int = doc(8, "Rollouts per group (same task and initial state).")
-    success_filter: List[float] = doc([0.0, 1.0], "Keep groups whose success rate lies in [low, high].")
+    clip: List[float] = doc([0.2, 0.28], "Ratio clip [low, high]: the clip-higher of DAPO and RLinf-VLA's recipes.")
+    success_filter: List[float] = doc(
+        [0.1, 0.9],
+        "Keep groups whose success rate lies in [low, high]; the default drops all-fail and all-succeed groups, "
+        "which carry no advantage ([0, 1] keeps every group).",
+    )
     advantage: GrpoAdvantage = doc(
-        "chunk",
-        "chunk: each chunk's reward normalised within its group at that chunk index; step: the "
-        "reward-to-go of those; episode: the normalised episode return for every chunk.",
+        "episode",
+        "episode: the episode return normalised within its group, for every chunk (the paper's outcome "
+        "reward); chunk: each chunk's reward normalised within its group at that chunk index (dense shaped "
+        "rewards only); step: the reward-to-go of those.",
     )
     entropy_coef: float = doc(0.0, "Weight of the entropy bonus.")
 

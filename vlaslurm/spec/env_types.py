@@ -38,10 +38,40 @@ class EnvConfig:
     num_envs: int = doc(16, "Environment instances in total, over all simulator ranks.")
     max_episode_steps: int = doc(100, "Steps after which an episode is truncated.")
     obs: ObsConfig = field(default_factory=ObsConfig, metadata={"doc": "Observation settings."})
+    reset_seeds: List[int] = doc(
+        [],
+        "Fixed reset seeds (reset-state ids), for evaluation that compares like with like: episode i (its "
+        "episode number x the number of groups + its group) resets with reset_seeds[i mod len]; "
+        "empty = seeds drawn from rollout.seed.",
+    )
+    reset_seeds_file: Optional[str] = doc(
+        None, "A text file of reset seeds (integers separated by spaces, commas or lines; # comments), instead."
+    )
 
     def episode_limit(self) -> int:
         """The most env steps an episode can last."""
         return self.max_episode_steps
+
+    def reset_seed_list(self) -> List[int]:
+        """`reset_seeds`, or the integers of `reset_seeds_file` (ValueError naming the file and line)."""
+        if self.reset_seeds_file is None:
+            return list(self.reset_seeds)
+        return read_seed_file(self.reset_seeds_file)
+
+
+def read_seed_file(path: str) -> List[int]:
+    """The integers of a seed file: separated by whitespace or commas, `#` starts a comment."""
+    seeds: List[int] = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            for word in line.split("#", 1)[0].replace(",", " ").split():
+                try:
+                    seeds.append(int(word))
+                except ValueError:
+                    raise ValueError(f"{path}:{number}: {word!r} is not an integer seed") from None
+    if not seeds:
+        raise ValueError(f"{path}: holds no seeds")
+    return seeds
 
 
 @register("env", "toy")

@@ -49,6 +49,12 @@ class RolloutConfig:
     max_staleness: int = doc(0, "Largest policy-version lag a used sample may have (0 = on-policy).")
     stale_policy: StalePolicy = doc("drop", "Past max_staleness: drop the sample, or hold the generator.")
     weight_sync: WeightSync = doc("nccl", "How weights reach generators: nccl (a process group) or filesystem.")
+    publish_every: int = doc(
+        1,
+        "Publish weights to the generators every this many policy updates (RL-VLA3 syncs once per global step); "
+        "above 1 only in async mode, and at most max_staleness + 1, so that samples of a published version stay "
+        "usable until the next one.",
+    )
     total_env_steps: int = doc(100_000, "Env steps after which the run ends.")
     seed: int = doc(0, "Seed of environments, models and sampling.")
     batching: BatchingConfig = field(default_factory=BatchingConfig, metadata={"doc": "Dynamic batching."})

@@ -52,6 +52,9 @@ def validate(loaded: LoadedSpec) -> None:
         _check_env,
         _check_model,
         _check_algo,
+        _check_algo_knobs,
+        _check_publish_every,
+        _check_reset_seeds,
         _check_resources,
         _check_mode_layout,
         _check_slurm,
@@ -262,6 +265,47 @@ def _check_algo(loaded: LoadedSpec) -> None:
                     f"({algo.group_size}) so that a group runs on one rank",
                 )
     _check_every_task_played(loaded)
+
+
+def _check_algo_knobs(loaded: LoadedSpec) -> None:
+    algo = loaded.spec.algo
+    if not algo.kl_coef >= 0:
+        raise loaded.error("algo.kl_coef", f"must be at least 0 (0 = no KL penalty), got {algo.kl_coef}")
+    if not algo.reward_scale > 0:
+        raise loaded.error("algo.reward_scale", f"must be greater than 0, got {algo.reward_scale}")
+
+
+def _check_publish_every(loaded: LoadedSpec) -> None:
+    rollout = loaded.spec.rollout
+    every = rollout.publish_every
+    if every < 1:
+        raise loaded.error("rollout.publish_every", f"must be at least 1, got {every}")
+    if every > 1 and rollout.mode != "async":
+        raise loaded.error(
+            "rollout.publish_every",
+            f"is {every}, but rollout.mode {rollout.mode} runs each phase with the newest version's weights: "
+            "use rollout.mode: async, or publish_every: 1",
+        )
+    if every - 1 > rollout.max_staleness:
+        raise loaded.error(
+            "rollout.publish_every",
+            f"is {every}: samples of a published version are {every - 1} versions old before the next one, past "
+            f"rollout.max_staleness ({rollout.max_staleness}); raise max_staleness to at least {every - 1}",
+        )
+
+
+def _check_reset_seeds(loaded: LoadedSpec) -> None:
+    env = loaded.spec.env
+    if env.reset_seeds and env.reset_seeds_file is not None:
+        raise loaded.error("env.reset_seeds_file", "and env.reset_seeds are both set: give one of them")
+    key = "env.reset_seeds" if env.reset_seeds_file is None else "env.reset_seeds_file"
+    try:
+        seeds = env.reset_seed_list()
+    except (OSError, ValueError) as exc:
+        raise loaded.error(key, f"cannot be read: {exc}") from None
+    negative = [s for s in seeds if s < 0]
+    if negative:
+        raise loaded.error(key, f"seeds must be at least 0, got {negative[0]}")
 
 
 def _check_every_task_played(loaded: LoadedSpec) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 import zmq
 
 from vlaslurm.envs import make_env, preflight
-from vlaslurm.envs.base import VecEnv
+from vlaslurm.envs.base import VecEnv, listed_seed
 from vlaslurm.log import get_logger
 from vlaslurm.models import env_action_transform
 from vlaslurm.rundir import Counters, EventLog, Heartbeat
@@ -290,6 +290,8 @@ class Simulator:
                 "simulator rank (env.num_envs / simulator ranks)"
             )
         self.schedule = cfg.schedule
+        self.reset_seeds = cfg.env.reset_seed_list()  # env.reset_seeds: fixed seeds instead of drawn ones
+        self.groups = max(cfg.env.num_envs // self.group, 1)  # over all simulator ranks
         # Async GRPO (`whole_groups`): a finished member waits until its whole group has finished, then they
         # start together, so a group's episodes run side by side (same versions, complete at about one time).
         self.waiting: set = set()
@@ -306,17 +308,28 @@ class Simulator:
             if not locals_:
                 return []
         tracks = [self.tracks[i] for i in locals_]
-        seeds = [mix_seed(self.seed, t.gid // self.group, t.episode + 1) for t in tracks]
+        seeds = [
+            self.reset_seed(t.gid // self.group, t.episode + 1, mix_seed(self.seed, t.gid // self.group, t.episode + 1))
+            for t in tracks
+        ]
         for track, obs in zip(tracks, split_obs(self.env.reset(locals_, seeds))):
             track.start_episode(obs)
         return locals_
+
+    def reset_seed(self, group: int, episode: int, drawn: int) -> int:
+        """The reset seed of `group`'s `episode`: from `env.reset_seeds` if listed, else `drawn`."""
+        return listed_seed(self.reset_seeds, group, episode, self.groups) if self.reset_seeds else drawn
 
     def start_phase(self, version: int, episodes_per_phase: int) -> None:
         """Sync: every instance starts the phase from reset, seeded from (seed, version, env id), in an
         episode numbered from the version (unique in the run, the same in every run of this seed)."""
         for track in self.tracks:
             track.episode = version * episodes_per_phase - 1
-        seeds = [mix_seed(self.seed, version, t.gid // self.group) for t in self.tracks]
+        first = version * episodes_per_phase
+        seeds = [
+            self.reset_seed(t.gid // self.group, first, mix_seed(self.seed, version, t.gid // self.group))
+            for t in self.tracks
+        ]
         for track, obs in zip(self.tracks, split_obs(self.env.reset(list(range(len(self.tracks))), seeds))):
             track.start_episode(obs)
 
