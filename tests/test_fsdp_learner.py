@@ -1,53 +1,201 @@
-"""FSDP2 groundwork (vlaslurm/algos/sharding.py): on 2 gloo ranks a sharded update leaves the same parameters as
-one replicated rank on the same global batch, each rank holding about half of the parameters and of the optimizer
-state. Real torch.distributed in spawned processes; not yet reachable from a spec (see the module)."""
+"""FSDP2 (vlaslurm/algos/sharding.py): on 2 and 3 gloo ranks, and on 4 ranks as a 2x2 hybrid mesh, a sharded update
+leaves the same parameters as one replicated rank on the same global batch, for PPO and GRPO, with and without
+micro-batches and activation checkpointing; each rank holds its share of the parameters and of Adam's state.
+With `mixed_precision: bf16` (2 ranks, PPO and GRPO, the look-alike policy and a tiny released OFT policy) the update
+runs, the master parameters and Adam's state stay float32, and the step is close to a float32 replicated one.
+
+Real torch.distributed, no fakes: one spawn of 4 gloo ranks runs every world size on a group of its first ranks (as
+the runtime's trainers are a group of the job), about 60 s in all on 2 shared cores, most of it the spawn (+25 s bf16).
+Tolerance: rtol 1e-4, atol 2e-6 (float32; the ranks sum the gradient in another order than one rank does). bf16: see
+`test_a_bf16_step_is_close_to_a_float32_replicated_step`.
+"""
 
 from __future__ import annotations
 
 import os
+import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from dataclasses import replace
 from pathlib import Path
-from typing import Optional
+from typing import Dict, List, NamedTuple, Optional, cast
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from learner_helpers import algo_config, rollout_segments, tiny_policy
+from learner_helpers import CHUNK, algo_config, rollout_segments, tiny_policy
+from tiny_checkpoints import write_tiny_release
 
 from vlaslurm.algos.batch import collate
-from vlaslurm.algos.learners import DataParallel, make_learner
+from vlaslurm.algos.learners import DataParallel, GRPOLearner, PPOLearner, make_learner
 from vlaslurm.algos.sharding import ShardedDataParallel, full_state_dict, local_numel, shard_policy
-from vlaslurm.spec.trainer_types import TrainerSpec
+from vlaslurm.models.vla.build import build_released
+from vlaslurm.spec.model_types import OpenVLAOFTConfig
+from vlaslurm.spec.trainer_types import OptimizerConfig, TrainerSpec
 
-WORLD = 2
-CASES = [("ppo", "action", None), ("grpo", "token", 3)]
+
+class Case(NamedTuple):
+    kind: str
+    level: str
+    micro: Optional[int]  # trainer.micro_batch_size
+    checkpointing: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-{self.level}-micro{self.micro}-ac{int(self.checkpointing)}"
+
+
+# Each algorithm with and without micro-batches and with and without checkpointing (not every product: each spawn
+# pays for every case it runs). The 2x2 mesh runs three: PPO plain and with both, GRPO with micro-batches.
+CASES = [
+    Case("ppo", "action", None, False),
+    Case("ppo", "action", 3, True),
+    Case("grpo", "token", 3, False),
+    Case("grpo", "token", None, True),
+]
+# world size -> (replicas, the cases it runs)
+WORLDS: Dict[int, tuple] = {2: (1, CASES), 3: (1, CASES), 4: (2, [CASES[0], CASES[1], CASES[2]])}
+# bf16 on the 2-rank group: each algorithm on each policy, "release" a tiny released OpenVLA-OFT (L1 head, proprio).
+BF16_CASES = [
+    (model, kind, level) for model in ("lookalike", "release") for kind, level in (("ppo", "action"), ("grpo", "token"))
+]
+# One step (1 epoch, 1 minibatch) with Adam's eps far above the gradients' elements, so that the step is about
+# -lr * gradient: with the default eps Adam divides each element by its own size, and a comparison would count the
+# sign flips of near-zero elements (bf16 noise) as full-size differences.
+BF16_TRAINER = TrainerSpec(optimizer=OptimizerConfig(eps=1.0))
+
+
+def release_policy(folder: str, precision: str = "fp32"):
+    cfg = OpenVLAOFTConfig(type="openvla-oft", path=folder, action_chunk=CHUNK, precision=precision)  # type: ignore[arg-type]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # the learned std and the value head are initialised here, not read from the release
+        return build_released(cfg, action_dim=2, state_dim=2, image_size=32, num_cameras=1)
+
+
+def bf16_policy(model: str, tmp: str):
+    return tiny_policy(seed=3) if model == "lookalike" else release_policy(f"{tmp}/release")
+
+
+def bf16_algo(kind: str, level: str):
+    cfg = algo_config(kind, level, minibatches=1)
+    cfg.epochs = 1
+    return cfg
+
+
+def _algo(kind: str, level: str):
+    """The learner tests' config, GRPO keeping every group on the chunk advantage: the default filter and outcome
+    advantage leave the tiny rollout's groups (mostly all-fail) without any advantage, hence no update to compare."""
+    cfg = algo_config(kind, level)
+    return replace(cfg, success_filter=[0.0, 1.0], advantage="chunk") if kind == "grpo" else cfg
+
+
+def _optim_numel(opt: torch.optim.Optimizer) -> int:
+    return sum(
+        (v.to_local() if hasattr(v, "to_local") else v).numel()
+        for state in opt.state.values()
+        for v in state.values()
+        if torch.is_tensor(v) and v.ndim > 0
+    )
 
 
 def _rank(rank: int, tmp: str) -> None:
+    """One process of the 4: every world size runs on the first `world` ranks, a group of the job as the runtime's
+    trainers are (the 4-rank world on all of them, as a 2x2 mesh)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD)
+    # FSDP2 warns of every unit's view output that an in-place op on it would skip a gather; the policies make none
+    # (and the comparisons below would catch a missing gather).
+    warnings.filterwarnings("ignore", "FSDP2-wrapped module", UserWarning)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=max(WORLDS))
     try:
         batch = torch.load(f"{tmp}/batch.pt", weights_only=False)
-        for kind, level, micro in CASES:
-            policy = shard_policy(tiny_policy(seed=3), dist.group.WORLD)
-            dp = ShardedDataParallel(dist.group.WORLD, rank, WORLD)
-            learner = make_learner(algo_config(kind, level), policy, dp, 7, TrainerSpec(micro_batch_size=micro))
-            learner.update(batch, version=5)
-            opt_local = sum(
-                (v.to_local() if hasattr(v, "to_local") else v).numel()
-                for state in learner.opt.state.values()
-                for v in state.values()
-                if torch.is_tensor(v) and v.ndim > 0
-            )
-            full = full_state_dict(policy)
-            if rank == 0:
-                torch.save(full, f"{tmp}/params-{kind}-{level}.pt")
-            torch.save({"params": local_numel(policy), "optim": opt_local}, f"{tmp}/sizes-{kind}-{level}-{rank}.pt")
+        groups = {world: dist.new_group(ranks=list(range(world))) for world in sorted(WORLDS)}  # all ranks call
+        for world, group in groups.items():
+            if rank < world:
+                _run_cases(rank, world, group, batch, Path(tmp) / f"world{world}")
+        if rank < 2:
+            _run_bf16(rank, groups[2], tmp)
+        dist.barrier()  # the other ranks wait for the bf16 cases before the group goes
     finally:
         dist.destroy_process_group()
+
+
+def _run_cases(rank: int, world: int, group: dist.ProcessGroup, batch, out: Path) -> None:
+    replicas, cases = WORLDS[world]
+    out.mkdir(exist_ok=True)
+    for case in cases:
+        policy = shard_policy(
+            tiny_policy(seed=3), group, activation_checkpointing=case.checkpointing, replicas=replicas
+        )
+        dp = ShardedDataParallel(group, rank, world)
+        trainer = TrainerSpec(micro_batch_size=case.micro)
+        learner = make_learner(_algo(case.kind, case.level), policy, dp, 7, trainer)
+        assert isinstance(learner, (PPOLearner, GRPOLearner))
+        learner.update(batch, version=5)
+        full = full_state_dict(policy)
+        if rank == 0:
+            torch.save(full, out / f"params-{case.name}.pt")
+        torch.save(
+            {"params": local_numel(policy), "optim": _optim_numel(learner.opt)}, out / f"sizes-{case.name}-{rank}.pt"
+        )
+
+
+def _run_bf16(rank: int, group: dist.ProcessGroup, tmp: str) -> None:
+    out = Path(tmp) / "bf16"
+    out.mkdir(exist_ok=True)
+    for model, kind, level in BF16_CASES:
+        batch = torch.load(f"{tmp}/batch-{model}.pt", weights_only=False)
+        policy = shard_policy(bf16_policy(model, tmp), group, mixed_precision="bf16")
+        computed = _watch_dtypes(policy)
+        learner = make_learner(bf16_algo(kind, level), policy, ShardedDataParallel(group, rank, 2), 7, BF16_TRAINER)
+        assert isinstance(learner, (PPOLearner, GRPOLearner))
+        learner.update(batch, version=5)
+        full = full_state_dict(policy)
+        masters = _shard_dtypes(policy) | _optim_dtypes(learner.opt)
+        if rank == 0:
+            torch.save({"params": full, "masters": masters, "computed": computed}, out / f"{model}-{kind}.pt")
+    # A release loaded in bf16 (model.precision: bf16) gets float32 master shards too.
+    loaded = shard_policy(release_policy(f"{tmp}/release", "bf16"), group, mixed_precision="bf16")
+    if rank == 0:
+        torch.save(_shard_dtypes(loaded), out / "bf16-release-masters.pt")
+
+
+def _watch_dtypes(policy: torch.nn.Module) -> Dict[str, set]:
+    """Records, for the policy's float32 units and its Llama layers, the (parameter, input) dtypes each forward
+    computes with (the hooks run after FSDP's own: parameters gathered and inputs cast)."""
+    seen: Dict[str, set] = {}
+
+    def hook(name: str):
+        def record(module, args, kwargs) -> None:
+            inputs = {a.dtype for a in (*args, *kwargs.values()) if torch.is_tensor(a) and a.is_floating_point()}
+            seen.setdefault(name, set()).add((next(module.parameters()).dtype, frozenset(inputs)))
+
+        return record
+
+    layers = {
+        name for name, m in policy.named_modules() if type(m).__name__.endswith("LlamaDecoderLayer")
+    }  # FSDP's subclass
+    for name, module in policy.named_modules():
+        if name in layers or name.rsplit(".", 1)[-1] in ("value_head", "action_head", "proprio_projector", "vision"):
+            module.register_forward_pre_hook(hook(name), with_kwargs=True)
+    return seen
+
+
+def _shard_dtypes(policy: torch.nn.Module) -> set:
+    from torch.distributed.tensor import DTensor
+
+    assert all(isinstance(p, DTensor) for p in policy.parameters())  # every parameter sharded
+    return {cast(DTensor, p).to_local().dtype for p in policy.parameters()}
+
+
+def _optim_dtypes(opt: torch.optim.Optimizer) -> set:
+    return {
+        (v.to_local() if hasattr(v, "to_local") else v).dtype
+        for state in opt.state.values()
+        for v in state.values()
+        if torch.is_tensor(v) and v.ndim > 0
+    }
 
 
 @pytest.fixture(scope="module")
@@ -57,30 +205,90 @@ def batch():
 
 
 @pytest.fixture(scope="module")
-def ranked(tmp_path_factory, batch) -> Path:
+def single(batch) -> Dict[str, Dict[str, torch.Tensor]]:
+    """One replicated rank's parameters after the update, per algorithm (no micro-batches, no checkpointing)."""
+    out = {}
+    for kind, level in {(c.kind, c.level) for c in CASES}:
+        policy = tiny_policy(seed=3)
+        make_learner(_algo(kind, level), policy, DataParallel(None, 0, 1), 7).update(batch, version=5)
+        out[kind] = policy.state_dict()
+        moved = [n for n, v in tiny_policy(seed=3).state_dict().items() if not torch.equal(v, out[kind][n])]
+        assert len(moved) > 10, f"{kind}: the update left the policy as it was, there is nothing to compare"
+    return out
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory, batch) -> Path:
     tmp = tmp_path_factory.mktemp("fsdp")
     torch.save(batch, tmp / "batch.pt")
-    mp.start_processes(_rank, args=(str(tmp),), nprocs=WORLD, start_method="spawn", join=True)
+    torch.save(batch, tmp / "batch-lookalike.pt")
+    write_tiny_release(tmp / "release", oft=True, action_dim=2, proprio_dim=2)
+    segments = rollout_segments(release_policy(str(tmp / "release")), num_envs=8, chunks=6, group_size=4)
+    torch.save(collate(segments), tmp / "batch-release.pt")
+    mp.start_processes(_rank, args=(str(tmp),), nprocs=max(WORLDS), start_method="spawn", join=True)
     return tmp
 
 
-@pytest.mark.parametrize("kind,level,micro", CASES)
-def test_sharded_update_equals_one_replicated_rank(ranked: Path, batch, kind: str, level: str, micro: Optional[int]):
-    policy = tiny_policy(seed=3)
-    make_learner(algo_config(kind, level), policy, DataParallel(None, 0, 1), 7).update(batch, version=5)
-    single = policy.state_dict()
-    sharded = torch.load(ranked / f"params-{kind}-{level}.pt")
-    assert set(sharded) == set(single)
-    for name, value in single.items():
-        torch.testing.assert_close(sharded[name], value, rtol=1e-4, atol=2e-6, msg=name)
+@pytest.fixture(params=sorted(WORLDS), ids=lambda w: f"world{w}")
+def ranked(request, spawned: Path) -> tuple:
+    return request.param, spawned / f"world{request.param}"
 
 
-@pytest.mark.parametrize("kind,level,micro", CASES)
-def test_each_rank_holds_about_half(ranked: Path, kind: str, level: str, micro: Optional[int]):
+def test_sharded_update_equals_one_replicated_rank(ranked: tuple, single) -> None:
+    world, tmp = ranked
+    for case in WORLDS[world][1]:
+        sharded = torch.load(tmp / f"params-{case.name}.pt")
+        reference = single[case.kind]
+        assert set(sharded) == set(reference)
+        for name, value in reference.items():
+            torch.testing.assert_close(sharded[name], value, rtol=1e-4, atol=2e-6, msg=f"{case.name}: {name}")
+
+
+def test_each_rank_holds_its_share(ranked: tuple) -> None:
+    """1/N of everything on N ranks; 1/2 on the 2x2 mesh (sharded over 2, replicated twice)."""
+    world, tmp = ranked
+    replicas, cases = WORLDS[world]
     total = sum(p.numel() for p in tiny_policy(seed=3).parameters())
-    sizes = [torch.load(ranked / f"sizes-{kind}-{level}-{rank}.pt") for rank in range(WORLD)]
-    assert sum(s["params"] for s in sizes) == total  # the shards partition the parameters
-    for s in sizes:
-        assert s["params"] <= 0.55 * total  # dim-0 shards of uneven sizes: about 1/2 each
-        # Adam's two moments, of this rank's shards only (GRPO never steps the unused value head: no state for it)
-        assert 1.9 * s["params"] <= s["optim"] <= 2 * s["params"]
+    shard = world // replicas
+    for case in cases:
+        sizes: List[dict] = [torch.load(tmp / f"sizes-{case.name}-{rank}.pt") for rank in range(world)]
+        assert sum(s["params"] for s in sizes) == total * replicas  # each row of the mesh partitions the model
+        for s in sizes:
+            assert s["params"] <= 1.1 * total / shard, case.name  # dim-0 shards of uneven sizes: about 1/shard
+            # Adam's two moments of this rank's shards only (GRPO never steps the unused value head: no state)
+            assert 1.9 * s["params"] <= s["optim"] <= 2 * s["params"], case.name
+
+
+def _step(after: Dict[str, torch.Tensor], before: Dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([(after[name].float() - value.float()).flatten() for name, value in before.items()])
+
+
+@pytest.mark.parametrize("case", BF16_CASES, ids=lambda c: "-".join(c[:2]))
+def test_a_bf16_step_is_close_to_a_float32_replicated_step(case: tuple, spawned: Path) -> None:
+    """Cosine similarity > 0.99 and relative error < 0.15 between the parameter changes (measured: cosine >= 0.997,
+    relative error <= 0.07, the release's the larger: the CPU's bf16 LayerNorm backward sums its bias gradient over
+    every patch in bf16, which comes out about 0.6 of float32's in the ViTs; the look-alike's: 0.99999, 0.007)."""
+    model, kind, level = case
+    before = bf16_policy(model, str(spawned)).state_dict()
+    reference = bf16_policy(model, str(spawned))
+    batch = torch.load(spawned / f"batch-{model}.pt", weights_only=False)
+    make_learner(bf16_algo(kind, level), reference, DataParallel(None, 0, 1), 7, BF16_TRAINER).update(batch, 5)
+    saved = torch.load(spawned / "bf16" / f"{model}-{kind}.pt", weights_only=False)
+    assert saved["masters"] == {torch.float32}  # the shards and Adam's moments; bf16 exists only in compute
+    float32_parts = {"value_head", "action_head", "proprio_projector" if model == "release" else "encoder.vision"}
+    computed = saved["computed"]
+    assert float32_parts <= set(computed) and any(".layers." in f"{name}." for name in computed)
+    for name, dtypes in computed.items():
+        # the Llama layers compute in bf16, the float32 parts in float32 on float32 inputs
+        compute = torch.float32 if name in float32_parts else torch.bfloat16
+        assert dtypes == {(compute, frozenset({compute}))}, name
+    assert set(saved["params"]) == set(before)
+    expected, got = _step(reference.state_dict(), before), _step(saved["params"], before)
+    assert torch.isfinite(got).all() and expected.norm() > 0
+    assert torch.nn.functional.cosine_similarity(expected, got, dim=0) > 0.99
+    assert (got - expected).norm() / expected.norm() < 0.15
+
+
+def test_a_release_loaded_in_bf16_gets_float32_master_shards(spawned: Path) -> None:
+    assert {p.dtype for p in release_policy(str(spawned / "release"), "bf16").vla.parameters()} == {torch.bfloat16}
+    assert torch.load(spawned / "bf16" / "bf16-release-masters.pt") == {torch.float32}

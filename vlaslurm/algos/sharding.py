@@ -1,17 +1,20 @@
 """FSDP2 over the trainer ranks: parameters, gradients and optimizer state sharded, one unit per block.
 
 `shard_policy` applies torch's `fully_shard` to every transformer block of the LLM and every ViT block of the
-towers, then to the policy itself (heads, embeddings, norms), on the trainers' own group. The learners' losses are
-pre-scaled so that the sum over ranks is the minibatch mean (`learners.py`), so the reduce-scatter sums instead of
-averaging. Every rank must run the same sequence of forwards and backwards: `ShardedDataParallel` splits each
-rank's share into the same number of micro-batches. Not yet reachable from a spec: the runtime's weight publishing
-and checkpoints still read a full state dict on trainer rank 0.
+towers, then to the policy itself (heads, embeddings, norms), on the trainers' own group: a 1-D mesh, or with
+`replicas` a 2-D (replicate, shard) mesh (HSDP); optionally with activation checkpointing per block. The learners'
+losses are pre-scaled so that the sum over ranks is the minibatch mean (`learners.py`), so the reductions sum
+instead of averaging. Every rank must run the same sequence of forwards and backwards: `ShardedDataParallel` splits
+each rank's share into the same number of micro-batches. The trainer role reaches it through runtime/sharded.py.
+With bf16 the blocks and the root compute in bf16 and the parts that compute in float32 by design (heads, the
+look-alikes' image stem) are float32 units; the master shards, Adam's state and the gradient reduction are float32.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Dict, List, Literal, Optional
+from typing import TYPE_CHECKING, Dict, List, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,11 +22,20 @@ from torch import Tensor, nn
 
 from vlaslurm.algos.learners import DataParallel
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
 # Class names of the blocks that become their own FSDP unit: transformers' Llama layer, the towers' ViT block, and
 # the look-alike policies' Llama layers (the same class).
 BLOCK_CLASSES = ("LlamaDecoderLayer", "Block")
 # The policy methods the runtime calls in place of forward(): FSDP must gather the root's parameters for them.
 POLICY_METHODS = ("act", "evaluate")
+# With bf16, the parts that compute in float32 by design become float32 units, which cast their inputs to float32:
+# the value head (a bf16 one rounds returns of ~1e2 to 3 digits), the look-alikes' Gaussian mean head (it reads a
+# `.float()` feature) and image stem (float32 pixels), and the OFT release's heads (kept in float32 in releases).
+FLOAT32_ATTRIBUTES = ("value_head", "action_head", "proprio_projector")
+FLOAT32_CLASSES = ("VisionStem", "L1RegressionActionHead", "ProprioProjector")
 MixedPrecision = Literal["fp32", "bf16"]
 
 
@@ -34,10 +46,16 @@ def shard_policy(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     device_type: Optional[str] = None,
+    activation_checkpointing: bool = False,
+    replicas: int = 1,
 ) -> nn.Module:
     """Shard `policy` in place over `group` and return it; its parameters become DTensors. A policy built on the
-    meta device (to be filled with `load_release_slices`) needs the `device_type` its shards will live on."""
-    from torch.distributed.device_mesh import DeviceMesh
+    meta device (to be filled with `load_release_slices`) needs the `device_type` its shards will live on.
+
+    `replicas` > 1 is hybrid sharding (HSDP): the group's ranks, in order, form a replicas x shard mesh; each row
+    shards the model, the rows hold replicas (a node per row keeps the reduce-scatter inside a node). Every rank of
+    `group` must call this in the same order (it makes the mesh's groups). `activation_checkpointing` recomputes
+    each block's activations in backward instead of keeping them."""
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
         FSDPModule,
@@ -48,24 +66,21 @@ def shard_policy(
     )
 
     device = next(policy.parameters()).device
-    mesh = DeviceMesh.from_group(group, device_type or ("cpu" if device.type == "meta" else device.type))
-    # bf16 compute, float32 gradient reduction and master parameters (the optimizer steps the float32 shards).
-    precision = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if mixed_precision == "bf16"
-        else MixedPrecisionPolicy()
-    )
+    mesh = trainer_mesh(group, replicas, device_type or ("cpu" if device.type == "meta" else device.type))
+    if mixed_precision == "bf16":
+        policy.to(torch.float32)  # the master shards are float32, also those of a release loaded in bf16
+    shard = functools.partial(fully_shard, mesh=mesh, reshard_after_forward=reshard_after_forward)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
-    for module in list(policy.modules()):
-        if module is not policy and type(module).__name__ in BLOCK_CLASSES:
-            fully_shard(
-                module,
-                mesh=mesh,
-                mp_policy=precision,
-                offload_policy=offload,
-                reshard_after_forward=reshard_after_forward,
-            )
-    fully_shard(policy, mesh=mesh, mp_policy=precision, offload_policy=offload)
+    for block in [m for m in policy.modules() if m is not policy and type(m).__name__ in BLOCK_CLASSES]:
+        if activation_checkpointing:
+            checkpoint_block(block)
+        shard(block, mp_policy=_precision(mixed_precision), offload_policy=offload)
+    if mixed_precision == "bf16":
+        for island in float32_islands(policy):
+            shard(island, mp_policy=MixedPrecisionPolicy(torch.float32, torch.float32), offload_policy=offload)
+    # The root does not cast act()'s and evaluate()'s inputs: the stored actions and the state must reach the
+    # float32 heads unrounded; each bf16 block casts its own inputs.
+    fully_shard(policy, mesh=mesh, mp_policy=_precision(mixed_precision, cast_inputs=False), offload_policy=offload)
     for method in POLICY_METHODS:
         if hasattr(policy, method):
             register_fsdp_forward_method(policy, method)
@@ -74,6 +89,73 @@ def shard_policy(
             module.set_gradient_divide_factor(1.0)  # sum: the losses are already shares of the minibatch mean
             module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
     return policy
+
+
+def float32_islands(policy: nn.Module) -> List[nn.Module]:
+    """The outermost modules of `policy` that compute in float32 under bf16 (`FLOAT32_ATTRIBUTES`, by attribute
+    name, and `FLOAT32_CLASSES`); the policies have none inside a block (it would have to be sharded first)."""
+    found: List[str] = []
+    for name, module in policy.named_modules():
+        inside = any(name.startswith(f"{outer}.") for outer in found)
+        if module is not policy and not inside and _computes_in_float32(name, module):
+            found.append(name)
+    return [policy.get_submodule(name) for name in found]
+
+
+def _computes_in_float32(name: str, module: nn.Module) -> bool:
+    return name.rsplit(".", 1)[-1] in FLOAT32_ATTRIBUTES or type(module).__name__ in FLOAT32_CLASSES
+
+
+def _precision(mixed_precision: MixedPrecision, cast_inputs: bool = True) -> MixedPrecisionPolicy:
+    """bf16: bf16 compute, float32 gradient reduction and master shards (the optimizer steps the float32 shards);
+    fp32: no casts at all (a release loaded in bf16 computes in bf16 as in a replicated trainer)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if mixed_precision == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(torch.bfloat16, torch.float32, cast_forward_inputs=cast_inputs)
+
+
+def checkpoint_block(block: nn.Module) -> None:
+    """Activation checkpointing of one block, before it is sharded: torch's composable `checkpoint`.
+
+    Chosen over `checkpoint_wrapper` because it leaves the module tree and the parameter names as they are (the
+    wrapper inserts `_checkpoint_wrapped_module.` into every name, which the value head's optimizer group, LoRA's
+    names and the release loader would have to undo), and over calling torch.utils.checkpoint in the blocks'
+    forward because the models stay unaware of it. It is the same non-reentrant torch.utils.checkpoint under the
+    hood, as forward hooks; fully_shard's own hooks run outside it, so the recomputation in backward finds the
+    block's parameters already gathered by FSDP's pre-backward all-gather (torch tests this composition:
+    test_fully_shard_training.py, test_train_parity_with_activation_checkpointing, checkpoint_impl "composable")."""
+    from torch.distributed._composable import checkpoint
+
+    checkpoint(block)
+
+
+def trainer_mesh(group: dist.ProcessGroup, replicas: int, device_type: str) -> DeviceMesh:
+    """The device mesh of the trainer ranks: 1-D over `group`, or 2-D `(replicate, shard)` with `replicas` rows.
+
+    The 2-D mesh is built from groups this call makes, not by DeviceMesh itself, which would make its groups with
+    every rank of the job (simulators and generators too). Like the runtime's trainers' group, they are made
+    without local synchronisation, so their names come from a counter that only such calls advance; every trainer
+    makes all of them in the same order, members or not (non-members get no group)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = sorted(dist.get_process_group_ranks(group))
+    if replicas < 1 or len(ranks) % replicas:
+        raise ValueError(f"trainer.replicas {replicas} does not divide the {len(ranks)} trainer ranks")
+    if replicas == 1:
+        return DeviceMesh.from_group(group, device_type)
+    grid = torch.tensor(ranks, dtype=torch.int).view(replicas, -1)
+    me = dist.get_rank()
+    shard = _own_group([row.tolist() for row in grid], me)
+    replicate = _own_group([column.tolist() for column in grid.T], me)
+    return DeviceMesh.from_group([replicate, shard], device_type, mesh=grid, mesh_dim_names=("replicate", "shard"))
+
+
+def _own_group(groups: List[List[int]], me: int) -> dist.ProcessGroup:
+    """Make every group of `groups` (the same calls on every trainer) and return the one holding rank `me`."""
+    made = [dist.new_group(ranks=ranks, use_local_synchronization=False) for ranks in groups]
+    return next(group for ranks, group in zip(groups, made) if me in ranks)
 
 
 class ShardedDataParallel(DataParallel):

@@ -11,12 +11,13 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
 if TYPE_CHECKING:
     from vlaslurm.placement.profile_types import Profile, TransportProfile
+    from vlaslurm.placement.trainer_memory import TrainerBytes
 
 STEP_RULES = ("max", "sum", "batch")
 
@@ -73,6 +74,9 @@ class Memory:
     train_per_step: float = 0.0
     gen_offload: float = 0.0  # collocated: bytes of the generator that leave the GPU while the trainer trains
     train_offload: float = 0.0  # collocated: bytes of the trainer (model, grads, optimizer) off it during rollout
+    # (trainer ranks, env steps per rank) -> one rank's bytes by what takes them (placement/trainer_memory.py), in
+    # place of train_base/train_per_step where the model's shape is known (fsdp's shards, micro-batches).
+    trainer_at: Optional[Callable[[int, float], TrainerBytes]] = None
 
     def sim(self, envs: float) -> float:
         return self.sim_base + self.sim_per_env * envs
@@ -80,7 +84,9 @@ class Memory:
     def gen(self, batch: float) -> float:
         return self.gen_base + self.gen_per_item * batch
 
-    def train(self, steps: float) -> float:
+    def train(self, steps: float, ranks: int = 1) -> float:
+        if self.trainer_at is not None:
+            return self.trainer_at(ranks, steps).total
         return self.train_base + self.train_per_step * steps
 
     def collocated_phases(self, envs: float, batch: float, steps: float) -> Dict[str, float]:
@@ -330,6 +336,7 @@ def from_profile(prof: Profile, spec) -> Costs:
             train_per_step=tr.memory.per_step,
             gen_offload=float(gen.weights_bytes),
             train_offload=float(tr.memory.base),
+            trainer_at=estimated_trainer(spec),
         ),
         thread_safe=bool(sim.thread_safe),
         reset_s=float(sim.reset_s),
@@ -343,6 +350,24 @@ def from_profile(prof: Profile, spec) -> Costs:
         cpu=cpu,
         host_cores=float(prof.cpu_count or os.cpu_count() or 1) if prof.local else None,
     )
+
+
+def estimated_trainer(spec) -> Optional[Callable[[int, float], TrainerBytes]]:
+    """A trainer rank's memory from the model's shape and the spec's `trainer:` section, where the model is an
+    OpenVLA release (None otherwise: the profile's measurement stands). A profile measures one replicated rank at
+    its own batch; this follows the candidate's trainer ranks, fsdp's shards and the micro-batch."""
+    from vlaslurm.placement.trainer_memory import sequences_per_rank, spec_model_shape, trainer_bytes
+
+    shape = spec_model_shape(spec)
+    if shape is None:
+        return None
+    algo = spec.algo
+
+    def at(ranks: int, steps: float) -> TrainerBytes:
+        sequences = sequences_per_rank(spec.trainer, int(steps * ranks), algo.minibatches, ranks)
+        return trainer_bytes(shape, spec.trainer, ranks, sequences)
+
+    return at
 
 
 def hop_s(prof: Profile) -> float:

@@ -84,7 +84,9 @@ def memory_check(cand: Candidate, work: Workload, costs: Costs) -> str:
     m = costs.memory
     envs = work.num_envs / cand.sim
     sim, gen = m.sim(envs), m.gen(min(cand.max_batch, work.num_envs))
-    train = m.train(work.steps_per_update / cand.train)
+    steps = work.steps_per_update / cand.train
+    train = m.train(steps, cand.train)
+    detail = f" ({m.trainer_at(cand.train, steps).describe()})" if m.trainer_at else ""
     cap = m.capacity
     where = "GPU" if costs.on_gpu else "host"
 
@@ -106,12 +108,12 @@ def memory_check(cand: Candidate, work: Workload, costs: Costs) -> str:
         if need > cap:
             return (
                 f"hybrid: max(simulator {gib(sim)}, generator {gib(gen)}) + trainer {gib(train)} GiB = "
-                f"{gib(need)} GiB > {gib(cap)} GiB per {where}"
+                f"{gib(need)} GiB > {gib(cap)} GiB per {where}{detail}"
             )
     else:
         for role, need in (("simulator", sim), ("generator", gen), ("trainer", train)):
             if need > cap:
-                return f"{role} needs {gib(need)} GiB > {gib(cap)} GiB per {where}"
+                return f"{role} needs {gib(need)} GiB > {gib(cap)} GiB per {where}{detail if role == 'trainer' else ''}"
     return ""
 
 

@@ -8,7 +8,9 @@ checks sizes and hashes first and raises `CheckpointError` naming the file and w
 resume (`resume_point`) takes the newest checkpoint that verifies, warns about the newer ones it
 skipped and records them for ``status`` (`rundir.records.append_checkpoint_fallback`). Hashing
 works on a list of files (`hash_files`) and `merge_entries` joins the lists, so each rank of a
-sharded checkpoint can hash its own shard.
+sharded checkpoint can hash its own shard: with `trainer.strategy: fsdp`, `save_sharded` and
+`load_sharded` write and read torch.distributed.checkpoint (DCP) shards on every trainer rank, and
+a run resumes on any number of ranks.
 
 Older checkpoints (``state.json`` but no manifest) are refused, not loaded unverified: without a
 manifest a torn save cannot be told from a whole one. A resume names them among the skipped and,
@@ -24,6 +26,7 @@ import io
 import json
 import os
 import random
+import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -274,19 +277,31 @@ def save(
     keep: int,
 ) -> Path:
     """Write checkpoint `v<state.version>` atomically and prune all but the newest `keep`."""
+    tmp = fresh_tmp(run_dir, state.version)
+    tmp.mkdir(mode=0o700)
+    save_file(_trained_state(policy), str(tmp / layout.CKPT_MODEL))
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), tmp / layout.CKPT_OPTIM)
+    return _finish(run_dir, tmp, state, ledger_rows, keep, [])
+
+
+def fresh_tmp(run_dir: Path, version: int) -> Path:
+    """The temporary folder (not made yet) a save of `version` writes in; removes those of saves that died."""
     directory = checkpoints_dir(run_dir)
     directory.mkdir(mode=0o700, exist_ok=True)
     for stale in directory.glob(".tmp-*"):  # a save that died half way
         shutil.rmtree(stale, ignore_errors=True)
-    final = RunDir(run_dir).checkpoint(state.version)
-    tmp = directory / f".tmp-{final.name}-{os.getpid()}"
-    tmp.mkdir(mode=0o700)
+    return directory / f".tmp-{RunDir(run_dir).checkpoint(version).name}-{os.getpid()}"
+
+
+def _finish(
+    run_dir: Path, tmp: Path, state: TrainerState, ledger_rows: List[dict], keep: int, hashed: List[FileEntry]
+) -> Path:
+    """Rank 0: write the trainer's own files into `tmp`, then the manifest (the files `tmp` holds that are not in
+    `hashed`, the other ranks' parts, are hashed here), rename it into place and prune."""
     state.python_rng = _jsonable(random.getstate())
     state.numpy_rng = _numpy_state()
-    save_file(_trained_state(policy), str(tmp / layout.CKPT_MODEL))
     save_file({k: v.contiguous() for k, v in _rng_tensors().items()}, str(tmp / layout.CKPT_RNG))
-    if optimizer is not None:
-        torch.save(optimizer.state_dict(), tmp / layout.CKPT_OPTIM)
     if ledger_rows:
         import pandas as pd
 
@@ -296,14 +311,16 @@ def save(
         pd.DataFrame(ledger_rows, columns=COLUMNS).to_parquet(buffer, index=False)
         (tmp / layout.CKPT_LEDGER).write_bytes(buffer.getvalue())
     (tmp / layout.CKPT_STATE).write_text(json.dumps(asdict(state)))
-    names = sorted(path.name for path in tmp.iterdir())
+    done = {entry.path for entry in hashed}
+    names = sorted(path.name for path in tmp.iterdir() if path.name not in done)
     for name in names:
         fsync_quietly(tmp / name)
-    write_manifest(tmp, merge_entries([hash_files(tmp, names)]))  # last: it marks the folder complete
+    write_manifest(tmp, merge_entries([hashed, hash_files(tmp, names)]))  # last: it marks the folder complete
+    final = RunDir(run_dir).checkpoint(state.version)
     if final.exists():  # the same version saved again (a signal right after a periodic save)
         shutil.rmtree(final)
     os.rename(tmp, final)
-    fsync_quietly(directory)
+    fsync_quietly(checkpoints_dir(run_dir))
     _prune(run_dir, keep)
     log.info("checkpoint v%d saved to %s", state.version, final)
     return final
@@ -336,11 +353,16 @@ def load(
         verify(path, required_files(optimizer))
     else:
         _require(path, read_manifest(path), required_files(optimizer))
-    state = TrainerState(**json.loads((path / layout.CKPT_STATE).read_text()))
     weights = load_file(str(path / layout.CKPT_MODEL), device=str(device))
     _load_trained(policy, weights, path / layout.CKPT_MODEL)
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(path / layout.CKPT_OPTIM, map_location=device, weights_only=True))
+    return _restore_state(path)
+
+
+def _restore_state(path: Path) -> TrainerState:
+    """The RNG states and the trainer's counters of checkpoint `path` (after its tensors were loaded)."""
+    state = TrainerState(**json.loads((path / layout.CKPT_STATE).read_text()))
     rng = load_file(str(path / layout.CKPT_RNG))
     torch.set_rng_state(rng["torch_cpu"])
     cuda = [rng[k] for k in sorted(rng) if k.startswith("torch_cuda_")]
@@ -401,3 +423,121 @@ def _jsonable(value: Any) -> Any:
 
 def _tuples(value: Any) -> Any:
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+# --- sharded checkpoints (trainer.strategy: fsdp) -----------------------------------------------------------------
+# torch.distributed.checkpoint's own names for its files in the folder: the coordinator's metadata (which tensors,
+# which shards where) and each rank's shards, `__<rank in the trainers' group>_<n>.distcp`.
+DCP_METADATA = ".metadata"
+_DCP_SHARD = re.compile(r"__(\d+)_\d+\.distcp")
+SHARDED_REQUIRED = (layout.CKPT_STATE, layout.CKPT_RNG, DCP_METADATA)
+
+
+def _owned(name: str, rank: int) -> bool:
+    """Whether file `name` of a sharded save is rank `rank`'s to hash (its shards; the metadata is rank 0's)."""
+    match = _DCP_SHARD.fullmatch(name)
+    return int(match.group(1)) == rank if match else (rank == 0 and name == DCP_METADATA)
+
+
+def _dcp_state(policy: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
+    """Model and optimizer state keyed by parameter names (DTensor shards): what DCP saves and reshards on load."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return {"model": get_model_state_dict(policy)}
+    model, optim = get_state_dict(policy, optimizer)  # a fresh optimizer gets zero state first (lr 0 step)
+    return {"model": model, "optim": optim}
+
+
+def save_sharded(
+    run_dir: Path,
+    tmp: Path,
+    state: Optional[TrainerState],
+    policy: torch.nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    ledger_rows: List[dict],
+    keep: int,
+    group,
+) -> Optional[Path]:
+    """Every trainer rank (a collective): write this rank's shards of model and optimizer into `tmp` (rank 0 made
+    it with `fresh_tmp`), hash them and send the entries to rank 0, which writes the trainer's files (`state`,
+    given on rank 0 only) and the manifest last, renames the folder and returns its path."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    rank = dist.get_rank(group)
+    dcp.save(_dcp_state(policy, optimizer), storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=group)
+    mine = sorted(name for name in os.listdir(tmp) if _owned(name, rank))
+    for name in mine:
+        fsync_quietly(tmp / name)
+    parts = _gather_entries(hash_files(tmp, mine), group)
+    if rank != 0:
+        return None
+    assert state is not None, "rank 0 saves the trainer state"
+    return _finish(run_dir, tmp, state, ledger_rows, keep, merge_entries(parts))
+
+
+def _gather_entries(entries: List[FileEntry], group) -> List[List[FileEntry]]:
+    """Every rank's manifest entries, on every rank (msgpack bytes over the group: nothing is unpickled)."""
+    import msgpack
+    import torch.distributed as dist
+
+    raw = msgpack.packb([[e.path, e.size, e.sha256] for e in entries])
+    size = torch.tensor([len(raw)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
+    longest = int(max(s.item() for s in sizes))
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    every = [torch.zeros(longest, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(every, mine, group=group)
+    return [
+        [FileEntry(str(p), int(n), str(h)) for p, n, h in msgpack.unpackb(t[: int(s.item())].numpy().tobytes())]
+        for t, s in zip(every, sizes)
+    ]
+
+
+def is_sharded(path: Path) -> bool:
+    """Whether checkpoint `path` was saved by an fsdp trainer (its manifest lists DCP's metadata)."""
+    return any(entry.path == DCP_METADATA for entry in read_manifest(path))
+
+
+def load_sharded(
+    path: Path, policy: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], group
+) -> TrainerState:
+    """Every trainer rank (a collective): restore a sharded checkpoint that `resume_point` verified, on any number
+    of ranks (DCP reshards), then the RNG states and counters as `load` does."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    _require(path, read_manifest(path), SHARDED_REQUIRED)
+    state = _dcp_state(policy, optimizer)
+    dcp.load({"model": state["model"]}, checkpoint_id=str(path), process_group=group)
+    if optimizer is None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(policy, state["model"])
+        return _restore_state(path)
+    # Parameters that never had optimizer state (GRPO's unused value head) are not in the checkpoint: load the
+    # rest, then drop the zero state `_dcp_state` gave them, so the optimizer is exactly the saved one.
+    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    planner = dcp.DefaultLoadPlanner(allow_partial_load=True)
+    dcp.load({"optim": state["optim"]}, checkpoint_id=str(path), process_group=group, planner=planner)
+    set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for name, param in policy.named_parameters():
+        if not any(key.startswith(f"optim.state.{name}.") for key in saved):
+            optimizer.state.pop(param, None)
+    return _restore_state(path)
+
+
+def check_sharding(run_dir: Path, sharded: bool) -> None:
+    """A resume with the other trainer.strategy than the newest checkpoint's is refused with what to set (the files
+    differ: whole tensors, or DCP shards); a damaged newest checkpoint is left to `resume_point`."""
+    newest = latest(run_dir)
+    try:
+        saved = newest is not None and is_sharded(newest)
+    except CheckpointError:
+        return
+    if newest is not None and saved != sharded:
+        strategy = "fsdp" if saved else "replicate"
+        raise CheckpointError(newest, f"saved with trainer.strategy: {strategy}; resume with that strategy")

@@ -372,14 +372,16 @@ def decode_sim_done(msg: Message) -> Tuple[int, int, int]:
     return _int(m, "sim_rank", k), _int(m, "segments", k), _int(m, "steps", k)
 
 
-def ctl(version: int, consumed_steps: int, stop: bool, taken: int = -1, waiting: int = 0) -> Message:
+def ctl(
+    version: int, consumed_steps: int, stop: bool, taken: int = -1, waiting: int = 0, published: int = -1
+) -> Message:
     """The trainer's state, published repeatedly (late subscribers miss nothing that matters).
     `taken`: the newest version whose rollout phase is over (its batch taken); -1 before the first.
     `waiting`: slots the trainer holds but cannot use yet (GRPO groups not whole), credited to the hold
-    budget for now only: unlike `consumed_steps` it can go down again, so receivers must not latch it."""
-    return Message(
-        CTL, {"version": version, "consumed_steps": consumed_steps, "stop": stop, "taken": taken, "waiting": waiting}
-    )
+    budget for now only: unlike `consumed_steps` it can go down again, so receivers must not latch it.
+    `published`: the newest version whose weights went out (`rollout.publish_every` skips some); -1: `version`."""
+    meta = {"version": version, "consumed_steps": consumed_steps, "stop": stop, "taken": taken, "waiting": waiting}
+    return Message(CTL, {**meta, "published": published})
 
 
 @dataclass(frozen=True)
@@ -389,6 +391,8 @@ class Ctl:
     stop: bool
     taken: int
     waiting: int
+    published: int
+    """The newest version with weights to fetch (`version` when the sender did not say)."""
 
 
 def decode_ctl(msg: Message) -> Ctl:
@@ -399,7 +403,13 @@ def decode_ctl(msg: Message) -> Ctl:
         _bool(m, "stop", k),
         _int(m, "taken", k, -1),
         _int(m, "waiting", k, 0),
+        _published(m, k),
     )
+
+
+def _published(m: Mapping[str, object], k: str) -> int:
+    published = _int(m, "published", k, -1)
+    return _int(m, "version", k) if published < 0 else published
 
 
 def offloaded(version: int, role: str, rank: int) -> Message:

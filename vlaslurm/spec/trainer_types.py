@@ -1,13 +1,14 @@
 """The trainer's own settings (`trainer:`): how one update is computed on the trainer ranks.
 
-What the algorithm optimises is `algo:`; this section says how the trainer computes it: micro-batches and the
-optimizer's settings. Sharding a model too large for one rank (FSDP) is the large-model trainer's, next.
+What the algorithm optimises is `algo:`; this section says how the trainer computes it: replicated or sharded
+(FSDP2) state, precision, micro-batches and the optimizer's settings. `fsdp_problem` holds the rules that need
+the rest of the spec (the trainer's rank count, the layout, LoRA), for the loader's cross-field pass.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Literal, Optional
+from typing import List, Literal, Optional, Tuple
 
 from vlaslurm.spec.registry import doc
 
@@ -26,8 +27,24 @@ class OptimizerConfig:
 class TrainerSpec:
     """How a trainer rank computes one update."""
 
-    strategy: Literal["replicate"] = doc(
-        "replicate", "replicate: every trainer rank holds the whole model and sums gradients (data parallel)."
+    strategy: Literal["replicate", "fsdp"] = doc(
+        "replicate",
+        "replicate: every trainer rank holds the whole model and sums gradients (data parallel; tiny models). "
+        "fsdp: parameters, gradients and optimizer state sharded over the trainer ranks (FSDP2, one unit per "
+        "transformer / ViT block plus the root); checkpoints are sharded (torch.distributed.checkpoint) and "
+        "resume on any number of trainer ranks.",
+    )
+    mixed_precision: Literal["fp32", "bf16"] = doc(
+        "fp32", "fsdp: bf16 parameters in compute, float32 gradient reduction and float32 master state."
+    )
+    activation_checkpointing: bool = doc(
+        False, "fsdp: recompute each block's activations in backward instead of keeping them (less memory)."
+    )
+    cpu_offload: bool = doc(False, "fsdp: keep the shards and the optimizer state in host memory (FSDP2's offload).")
+    replicas: int = doc(
+        1,
+        "fsdp: hybrid sharding: the trainer ranks form `replicas` groups of N / replicas ranks; each group shards "
+        "the model, the groups replicate it (one group per node keeps the reduce-scatter inside a node).",
     )
     micro_batch_size: Optional[int] = doc(
         None,
@@ -35,3 +52,39 @@ class TrainerSpec:
         "micro-batches, so the update is the same (None: a rank's whole share of the minibatch at once).",
     )
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, metadata={"doc": "Optimizer settings."})
+
+
+FSDP_ONLY = ("mixed_precision", "activation_checkpointing", "cpu_offload", "replicas")
+
+
+def fsdp_problem(
+    trainer: TrainerSpec, ranks: int, layout: str, lora: bool, ranks_from: str = "resources.trainer"
+) -> Optional[Tuple[str, str]]:
+    """(field, message) of the first `trainer:` setting the runtime cannot do with `ranks` trainer ranks (counted
+    from `ranks_from`), the `layout` and LoRA (`lora`), or None. The loader's cross-field pass raises it with the
+    field's line; the trainer checks it again at start."""
+    if trainer.strategy != "fsdp":
+        changed = [name for name in FSDP_ONLY if getattr(trainer, name) != getattr(TrainerSpec, name)]
+        if changed:
+            return f"trainer.{changed[0]}", "applies to trainer.strategy: fsdp only; set strategy: fsdp or remove it"
+        return None
+    if trainer.replicas < 1 or ranks % trainer.replicas:
+        return (
+            "trainer.replicas",
+            f"must divide the number of trainer ranks, {ranks} ({ranks_from}); got {trainer.replicas}",
+        )
+    if lora:
+        return (
+            "trainer.strategy",
+            "fsdp with model.lora is not supported: its checkpoints and weight publication move whole sharded "
+            "state dicts, not the few adapter tensors LoRA trains; use strategy: replicate (LoRA's trainable "
+            "state is small) or remove model.lora",
+        )
+    if layout == "collocated":
+        return (
+            "trainer.strategy",
+            "fsdp with resources.layout: collocated is not supported: the collocated offload moves whole modules "
+            "between host and GPU, not FSDP shards; use trainer.cpu_offload: true for tight memory with "
+            "layout: disaggregated, or strategy: replicate",
+        )
+    return None

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Iterable, cast
 from vlaslurm.spec.errors import close_names
 from vlaslurm.spec.model_types import VLAConfig
 from vlaslurm.spec.schema import DEFAULT_RESTARTS, ROLES
+from vlaslurm.spec.trainer_types import fsdp_problem
 
 if TYPE_CHECKING:
     from vlaslurm.spec.algo_types import GRPOConfig
@@ -160,6 +161,23 @@ def _check_trainer(loaded: LoadedSpec) -> None:
         raise loaded.error("trainer.optimizer.eps", f"must be greater than 0, got {opt.eps}")
     if opt.value_lr is not None and not opt.value_lr > 0:
         raise loaded.error("trainer.optimizer.value_lr", f"must be greater than 0 (or null), got {opt.value_lr}")
+    _check_sharding(loaded)
+
+
+def _check_sharding(loaded: LoadedSpec) -> None:
+    """What `trainer.strategy: fsdp` cannot do, refused here as the trainer would refuse it at start: for the
+    Slurm job's trainer ranks and for a local run's (`runtime.local_ranks`)."""
+    spec = loaded.spec
+    res = spec.resources
+    slurm_ranks = res.trainer.nodes * res.trainer.tasks_per_node
+    lora = getattr(spec.model, "lora", None) is not None
+    counts = [(slurm_ranks, "resources.trainer")]
+    if "trainer" in spec.runtime.local_ranks:
+        counts.append((spec.runtime.local_ranks["trainer"], "runtime.local_ranks"))
+    for ranks, where in counts:
+        problem = fsdp_problem(spec.trainer, ranks, res.layout, lora, where)
+        if problem is not None:
+            raise loaded.error(*problem)
 
 
 def _check_env(loaded: LoadedSpec) -> None:
@@ -410,13 +428,24 @@ def _check_container(loaded: LoadedSpec, role: str) -> None:
             )
 
 
+# Layouts whose trainer shares GPUs with the rollout roles, so it may only update between rollout phases
+# (sync and pipelined modes), and why. hybrid does not offload the generators' state either: the placement model
+# counts the trainer on top of the simulator's or generator's memory (placement/search.py memory_check).
+LOCKSTEP_ONLY_LAYOUTS = {
+    "collocated": "the generator and the trainer take turns on the same GPUs between rollout phases",
+    "hybrid": "the trainer spans the simulators' and generators' GPUs and updates between rollout phases; "
+    "in async mode it would train on those GPUs while they roll out",
+}
+
+
 def _check_mode_layout(loaded: LoadedSpec) -> None:
     s = loaded.spec
-    if s.resources.layout == "collocated" and s.rollout.mode == "async":
+    why = LOCKSTEP_ONLY_LAYOUTS.get(s.resources.layout)
+    if why is not None and s.rollout.mode == "async":
         raise loaded.error(
             "rollout.mode",
-            "async needs the roles on their own GPUs; the collocated layout allows "
-            "sync and pipelined only (or use layout: disaggregated or hybrid)",
+            f"async needs the roles on their own GPUs, but with resources.layout: {s.resources.layout} {why}; "
+            "use rollout.mode: sync or pipelined, or layout: disaggregated",
         )
 
 

@@ -175,7 +175,7 @@ class Generator:
         self.served_steps = 0
         self.stop = False
         self.holding_since: Optional[float] = None
-        self.announced = 0  # newest version the trainer's announcements name
+        self.announced = 0  # newest version whose weights the trainer's announcements say went out
         self._next_weights_check = 0.0
         # The trainer moves onto the GPU only once every generator said that its model left it.
         self.offloader = Offloader(
@@ -204,7 +204,7 @@ class Generator:
                     self.stop = self.stop or ctl.stop
                     self.consumed_steps = max(self.consumed_steps, ctl.consumed_steps)
                     self.waiting_steps = ctl.waiting  # the latest: it may go down
-                    self.announced = max(self.announced, ctl.version)
+                    self.announced = max(self.announced, ctl.published)  # weights to fetch
                     self.taken = max(self.taken, ctl.taken)
             else:  # the router, the poller's only other socket; it takes only `obs` (msgs.GENERATOR_INTAKE)
                 while (got := self.router.recv(0)) is not None:

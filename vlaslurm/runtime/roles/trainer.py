@@ -3,7 +3,9 @@
 Trainer rank 0 collects segments, enforces `max_staleness`, decides when a batch is complete
 and writes the ledger; every trainer rank runs the update (data parallel). Rank 0 checkpoints
 at update boundaries (every `checkpoint.every_versions`, and on USR2/TERM); every rank resumes
-from the newest. Collocated, model and optimizer live in host memory between updates.
+from the newest. Collocated, model and optimizer live in host memory between updates. With
+`trainer.strategy: fsdp` the state is sharded (`Shards`): rank 0 tells the others after each
+update what to join (a sharded save, a gather of the weights to publish; runtime/sharded.py).
 Details: docs/runtime.md
 """
 
@@ -14,15 +16,16 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Deque, Dict, List, Optional, Set, Tuple
+from pathlib import Path
+from typing import Deque, Dict, List, Optional, Set, Tuple, cast
 
-import msgpack
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from vlaslurm.algos.batch import TrainBatch, collate, decode_strings, encode_strings
 from vlaslurm.algos.learners import DataParallel, make_learner
+from vlaslurm.algos.sharding import ShardedDataParallel
 from vlaslurm.log import get_logger, set_context
 from vlaslurm.models import build_policy
 from vlaslurm.rundir import Counters, EventLog, Heartbeat, RunDir, append_metrics, read_heartbeats
@@ -34,12 +37,21 @@ from vlaslurm.runtime.failures import FailureKeeper
 from vlaslurm.runtime.ledger import Ledger
 from vlaslurm.runtime.offload import Offloader, OffloadReporter, OffloadReports, offloads
 from vlaslurm.runtime.schedule import Schedule
+from vlaslurm.runtime.sharded import (
+    Command,
+    build_sharded_policy,
+    gather_full_state,
+    receive_command,
+    receive_meta,
+    send_command,
+    send_meta,
+)
 from vlaslurm.runtime.transport import Pub, Pull, rejection_counts
-from vlaslurm.runtime.weights import make_publisher
+from vlaslurm.runtime.weights import DEFAULT_BUCKET_BYTES, make_publisher
 from vlaslurm.spec.algo_types import AlgoConfig
 from vlaslurm.spec.model_types import ModelConfig
 from vlaslurm.spec.schema import CheckpointConfig, ExperimentSpec, Layout, RolloutConfig, TrackingConfig
-from vlaslurm.spec.trainer_types import TrainerSpec
+from vlaslurm.spec.trainer_types import TrainerSpec, fsdp_problem
 from vlaslurm.tracking import open_tracker
 
 log = get_logger("vlaslurm.trainer")
@@ -101,6 +113,7 @@ class Collector:
         self._last_ctl = 0.0
         self._version = 0
         self.taken = -1  # newest version whose phase is over (its batch taken): collocated generators leave the GPU
+        self.published = -1  # newest version whose weights went out (rollout.publish_every may skip some)
         self.offloads = OffloadReports()  # collocated: which ranks said their state left the GPU
         self.incarnations: Dict[int, int] = {}  # sim rank -> newest incarnation heard from
         self.discarded = 0  # segments of a restarted simulator's dead incarnation, thrown away
@@ -147,7 +160,8 @@ class Collector:
         now = time.monotonic()
         self._version = version
         if force or now - self._last_ctl > 0.1:
-            self.pub.send(msgs.ctl(version, self.consumed_slots, stop, self.taken, self.waiting_slots(version)))
+            waiting = self.waiting_slots(version)
+            self.pub.send(msgs.ctl(version, self.consumed_slots, stop, self.taken, waiting, self.published))
             self._last_ctl = now
 
     def waiting_slots(self, version: int) -> int:
@@ -352,7 +366,7 @@ def broadcast_batch(batch: Optional[TrainBatch], version: int, group, src: int) 
     A receiver skips the keep-alives rank 0 sends while it waits for data (`send_keepalive`)."""
     if batch is not None or dist.get_rank() == src:
         tensors = {} if batch is None else {**batch.tensors, "_instructions": encode_strings(batch.instructions)}
-        _broadcast_meta(
+        send_meta(
             {
                 "version": version,
                 "stop": batch is None,
@@ -364,9 +378,9 @@ def broadcast_batch(batch: Optional[TrainBatch], version: int, group, src: int) 
         for value in tensors.values():
             dist.broadcast(value.contiguous(), src, group=group)
         return version, batch
-    meta = _receive_meta(group, src)
+    meta = receive_meta(group, src)
     while meta.get("keepalive"):
-        meta = _receive_meta(group, src)
+        meta = receive_meta(group, src)
     if meta["stop"]:
         return meta["version"], None
     tensors = {}
@@ -384,27 +398,38 @@ def send_keepalive(version: int, group, src: int) -> None:
     Their collective would otherwise fail at the group's timeout with gloo's own message whenever a
     rollout phase (a simulator's start-up, a slow scene) lasts longer; with these it fails only when
     rank 0 itself stops answering."""
-    _broadcast_meta({"version": version, "stop": False, "keepalive": True, "keys": []}, group, src)
-
-
-def _broadcast_meta(meta: dict, group, src: int) -> None:
-    raw = msgpack.packb(meta)
-    dist.broadcast(torch.tensor([len(raw)], dtype=torch.int64), src, group=group)
-    dist.broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8), src, group=group)
-
-
-def _receive_meta(group, src: int) -> dict:
-    size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, src, group=group)
-    raw = torch.zeros(int(size.item()), dtype=torch.uint8)
-    dist.broadcast(raw, src, group=group)
-    return msgpack.unpackb(raw.numpy().tobytes())
+    send_meta({"version": version, "stop": False, "keepalive": True, "keys": []}, group, src)
 
 
 def build_trainer_policy(cfg: TrainerConfig, ctx: RankContext) -> torch.nn.Module:
     torch.manual_seed(cfg.rollout.seed)  # every trainer rank starts from the same parameters
     dims = ctx.member("simulator", 0).extra
     return build_policy(cfg.model, **dims).to(ctx.device)
+
+
+@dataclass
+class Shards:
+    """trainer.strategy fsdp: the trainers' group every publication, checkpoint and the final model gather over,
+    rank 0 (`src`) telling the others after each update what to join (`Command`). None with replicate."""
+
+    group: dist.ProcessGroup
+    src: int
+    policy: torch.nn.Module
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+    def tell(self, command: Command) -> None:
+        send_command(command, self.group, self.src)
+
+    def full_state(self, keep: bool) -> Dict[str, torch.Tensor]:
+        """The full weights (a collective); rank 0 keeps them in host memory (`keep`), the others get {}."""
+        return gather_full_state(self.policy, self.bucket_bytes, keep)
+
+
+def check_strategy(cfg: TrainerConfig, ranks: int) -> None:
+    """What the loader refuses too (`fsdp_problem`), checked again here: a spec from elsewhere fails with the field."""
+    problem = fsdp_problem(cfg.trainer, ranks, cfg.layout, getattr(cfg.model, "lora", None) is not None)
+    if problem is not None:
+        raise ValueError(f"{problem[0]}: {problem[1]}")
 
 
 def run(ctx: RankContext, cfg: TrainerConfig) -> int:
@@ -439,14 +464,30 @@ def run(ctx: RankContext, cfg: TrainerConfig) -> int:
         )
     # Followers wait in this group while rank 0 waits on deadlines of its own (the offload handshake,
     # runtime.timeout_s): outlast those, so that rank 0's error naming the culprit comes first.
-    group = data_parallel_group(trainers, ctx.deadlines.first_s + ctx.deadlines.running_s)
-    policy = build_trainer_policy(cfg, ctx)
-    dp = DataParallel(group, ctx.rank, len(trainers))
+    sharded = cfg.trainer.strategy == "fsdp"
+    check_strategy(cfg, len(trainers))
+    group = data_parallel_group(trainers, ctx.deadlines.first_s + ctx.deadlines.running_s, always=sharded)
+    shards = None
+    if sharded:
+        assert group is not None  # made for one trainer too
+        dims = ctx.member("simulator", 0).extra
+        policy = build_sharded_policy(cfg.model, cfg.trainer, dims, group, ctx.device, cfg.rollout.seed)
+        shards = Shards(group, trainers[0], policy)
+        dp: DataParallel = ShardedDataParallel(group, ctx.rank, len(trainers))
+    else:
+        policy = build_trainer_policy(cfg, ctx)
+        dp = DataParallel(group, ctx.rank, len(trainers))
     learner = make_learner(cfg.algo, policy, dp, cfg.rollout.seed, cfg.trainer)
     optimizer = getattr(learner, "opt", None)
     # The newest checkpoint that verifies (every rank checks the same files; rank 0 records a fallback).
-    resume_from = ckpt.resume_point(ctx.run_dir, record=ctx.rank == 0, required=ckpt.required_files(optimizer))
-    start = ckpt.load(resume_from, policy, optimizer, ctx.device, verify_first=False) if resume_from else None
+    required = ckpt.SHARDED_REQUIRED if sharded else ckpt.required_files(optimizer)
+    ckpt.check_sharding(ctx.run_dir, sharded)
+    resume_from = ckpt.resume_point(ctx.run_dir, record=ctx.rank == 0, required=required)
+    start = None
+    if resume_from is not None and shards is not None:
+        start = ckpt.load_sharded(resume_from, policy, optimizer, shards.group)  # a collective: DCP reshards
+    elif resume_from is not None:
+        start = ckpt.load(resume_from, policy, optimizer, ctx.device, verify_first=False)
     signals.ready()
     if ctx.rank == 0:
         assert pull is not None and pub is not None  # bound above by rank 0
@@ -454,15 +495,18 @@ def run(ctx: RankContext, cfg: TrainerConfig) -> int:
         if start is not None:
             assert resume_from is not None  # start was loaded from it
             col.restore(start, ckpt.ledger_rows(resume_from))
-        code = lead(cfg, ctx, policy, learner, col, publisher, group, trainers[0], start.version if start else 0)
+        code = lead(
+            cfg, ctx, policy, learner, col, publisher, group, trainers[0], start.version if start else 0, shards
+        )
     else:
-        code = follow(cfg, ctx, policy, learner, group, trainers[0], start.version if start else 0)
+        code = follow(cfg, ctx, policy, learner, group, trainers[0], start.version if start else 0, shards)
     ctx.world.close()
     return code
 
 
-def data_parallel_group(trainers: List[int], timeout_s: float) -> Optional[dist.ProcessGroup]:
-    """The trainers' group (None for one trainer), made after trainer[0] made its weight-sync group.
+def data_parallel_group(trainers: List[int], timeout_s: float, always: bool = False) -> Optional[dist.ProcessGroup]:
+    """The trainers' group (None for one trainer unless `always`: fsdp shards over it even alone), made after
+    trainer[0] made its weight-sync group.
 
     torch names a locally synchronised group (`dist.new_subgroup`) by its members and the number
     of groups the caller already holds. trainer[0] holds the weight-sync group too, so with
@@ -471,7 +515,7 @@ def data_parallel_group(trainers: List[int], timeout_s: float) -> Optional[dist.
     calls advance; each trainer makes exactly this one, so the names agree. Ranks outside the
     group need not take part (torch adds no world barrier unless TORCH_DIST_INIT_BARRIER=1).
     """
-    if len(trainers) == 1:
+    if len(trainers) == 1 and not always:
         return None
     return dist.new_group(ranks=sorted(trainers), timeout=timedelta(seconds=timeout_s), use_local_synchronization=False)
 
@@ -487,24 +531,51 @@ def _forget_published_weights(ctx: RankContext) -> None:
             path.unlink(missing_ok=True)
 
 
-def save_checkpoint(cfg: TrainerConfig, ctx: RankContext, col: Collector, policy, learner) -> None:
+def save_checkpoint(
+    cfg: TrainerConfig,
+    ctx: RankContext,
+    col: Collector,
+    policy,
+    learner,
+    shards: Optional[Shards] = None,
+    tmp: Optional[Path] = None,
+) -> None:
+    """Rank 0 saves alone (replicate), or with the other ranks, already told the folder `tmp` (fsdp)."""
     state, rows = col.checkpoint_state()
     t0 = time.monotonic()
-    ckpt.save(ctx.run_dir, state, policy, getattr(learner, "opt", None), rows, cfg.checkpoint.keep)
+    optimizer = getattr(learner, "opt", None)
+    if shards is None:
+        ckpt.save(ctx.run_dir, state, policy, optimizer, rows, cfg.checkpoint.keep)
+    else:
+        assert tmp is not None  # made by `sharded_save_folder`, named in the command
+        ckpt.save_sharded(ctx.run_dir, tmp, state, policy, optimizer, rows, cfg.checkpoint.keep, shards.group)
     col.events.add("checkpoint", t=ctx.now(), v=state.version, s=time.monotonic() - t0)
 
 
 def lead(
-    cfg: TrainerConfig, ctx: RankContext, policy, learner, col: Collector, publisher, group, src: int, version: int = 0
+    cfg: TrainerConfig,
+    ctx: RankContext,
+    policy,
+    learner,
+    col: Collector,
+    publisher,
+    group,
+    src: int,
+    version: int = 0,
+    shards: Optional[Shards] = None,
 ) -> int:
     """Trainer rank 0: collect, update, publish, until `rollout.total_env_steps` or a drain signal."""
     set_context(version=version)
     col.mark_boundary(version)
     drained = None
+    finished = False
     tracker = open_tracker(cfg.tracking, ctx.run_dir)  # MLflow, from its own thread (vlaslurm.tracking)
     offloader = trainer_offloader(ctx, cfg.layout, policy, learner, col.events)
+    first = shards.full_state(keep=True) if shards is not None else None  # fsdp: the followers join this gather
     leave_device(ctx, col, offloader, version, ctx.deadlines.first_s)  # the other ranks are still starting
-    publisher.publish(version, policy.state_dict())
+    publisher.publish(version, policy.state_dict() if first is None else first)
+    col.published = version
+    del first
     idle = Idle(ctx, col, group, src)
     try:
         while True:
@@ -521,19 +592,27 @@ def lead(
                 continue
             run_update(cfg, ctx, policy, learner, col, offloader, group, src, used, version)
             if col.received_steps >= cfg.rollout.total_env_steps:
+                if shards is not None:
+                    shards.tell(Command())  # the followers wait for a command after every update
                 break
             version += 1
             set_context(version=version)
             col.mark_boundary(version)
+            if shards is not None:
+                sharded_boundary(cfg, ctx, col, offloader, publisher, policy, learner, shards, version)
+                continue
             if version % cfg.checkpoint.every_versions == 0:
                 save_checkpoint(cfg, ctx, col, policy, learner)
             if signals.requested():
                 continue  # saved at the top of the loop (again only if not just saved)
-            publish_version(ctx, col, offloader, publisher, policy, version)
+            if publishes(cfg, version):
+                publish_version(ctx, col, offloader, publisher, policy, version)
+        finished = True
     finally:
         if group is not None:
             broadcast_batch(None, version, group, src)
-        if drained:
+        final = stop_shards(cfg, ctx, col, policy, learner, shards, drained, finished and not drained, version)
+        if drained and shards is None:
             save_drained(cfg, ctx, col, policy, learner, drained, version)
         col.drain(version, deadline_s=2.0 if drained else None)
         col.close()
@@ -541,7 +620,7 @@ def lead(
         publisher.close()
     if drained:
         return signals.REQUEUE_EXIT
-    _save_final(policy, ctx, version + 1)
+    _save_final(policy if final is None else unsharded_policy(cfg, ctx, final), ctx, version + 1)
     log.info(
         "finished: %d env steps, %d versions, %d segments dropped, %d discarded",
         col.received_steps,
@@ -550,6 +629,70 @@ def lead(
         col.discarded,
     )
     return 0
+
+
+def sharded_boundary(
+    cfg: TrainerConfig,
+    ctx: RankContext,
+    col: Collector,
+    offloader: Offloader,
+    publisher,
+    policy,
+    learner,
+    shards: Shards,
+    version: int,
+) -> None:
+    """fsdp, rank 0, between two updates: decide, tell the other ranks, then save and publish with them. A drain
+    signal that comes now skips the publication; the top of the loop saves (again only if not just saved)."""
+    tmp = sharded_save_folder(ctx, version) if version % cfg.checkpoint.every_versions == 0 else None
+    publish = publishes(cfg, version) and not signals.requested()
+    shards.tell(Command(publish=publish, checkpoint=str(tmp or "")))
+    if tmp is not None:
+        save_checkpoint(cfg, ctx, col, policy, learner, shards, tmp)
+    if publish:
+        # Gathered before the announcement: the generators wait for the weights from the moment they are announced.
+        publish_version(ctx, col, offloader, publisher, policy, version, shards.full_state(keep=True))
+
+
+def sharded_save_folder(ctx: RankContext, version: int) -> Path:
+    """Rank 0 makes the temporary folder of a sharded save of `version` before telling the other ranks its name."""
+    tmp = ckpt.fresh_tmp(ctx.run_dir, version)
+    tmp.mkdir(mode=0o700)
+    return tmp
+
+
+def stop_shards(
+    cfg: TrainerConfig,
+    ctx: RankContext,
+    col: Collector,
+    policy,
+    learner,
+    shards: Optional[Shards],
+    drained: Optional[str],
+    final: bool,
+    version: int,
+) -> Optional[Dict[str, torch.Tensor]]:
+    """fsdp, rank 0, after the stop: with the other ranks, the drain's checkpoint or the final model's gather."""
+    if shards is None:
+        return None
+    newest = ckpt.latest(ctx.run_dir)
+    save = bool(drained) and (newest is None or newest.name != f"v{version:08d}")
+    tmp = sharded_save_folder(ctx, version) if save else None
+    shards.tell(Command(checkpoint=str(tmp or ""), final=final))
+    if tmp is not None:
+        save_checkpoint(cfg, ctx, col, policy, learner, shards, tmp)
+    if drained:
+        log.warning(
+            "%s: checkpoint v%d saved; stopping every rank (a requeue or `vlaslurm resume` continues)", drained, version
+        )
+    return shards.full_state(keep=True) if final else None
+
+
+def unsharded_policy(cfg: TrainerConfig, ctx: RankContext, state: Dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The final model of an fsdp trainer, whole in rank 0's host memory, to save as the replicated one is."""
+    policy = cast(torch.nn.Module, build_policy(cfg.model, **ctx.member("simulator", 0).extra))
+    policy.load_state_dict(state)
+    return policy
 
 
 class Idle:
@@ -599,14 +742,39 @@ def run_update(
     col.report(version, used, stats, time.monotonic() - t0)
 
 
-def publish_version(ctx: RankContext, col: Collector, offloader: Offloader, publisher, policy, version: int) -> None:
-    """Hand `version` to the generators."""
+def publishes(cfg: TrainerConfig, version: int) -> bool:
+    """Whether `version`'s weights go out: every `rollout.publish_every`-th version (async only, checked at load;
+    RL-VLA³ publishes once per global step). Generators meanwhile serve the last published one."""
+    return version % cfg.rollout.publish_every == 0
+
+
+def publish_version(
+    ctx: RankContext,
+    col: Collector,
+    offloader: Offloader,
+    publisher,
+    policy,
+    version: int,
+    gathered: Optional[Dict[str, torch.Tensor]] = None,
+) -> None:
+    """Hand `version` to the generators: `policy`'s state dict, or the full weights `gathered` from shards."""
     col.events.add("publish", t=ctx.now(), v=version)
+    col.published = version
     # Announce first: generators look for weights when announced (a broadcast waits for all of them);
     # lock-step requests for the new version wait at the generator until it is installed.
     col.announce(version, force=True)
     leave_device(ctx, col, offloader, version, ctx.deadlines.running_s)
-    publisher.publish(version, policy.state_dict())  # the WeightPublisher protocol: no per-call timeout
+    state = policy.state_dict() if gathered is None else gathered
+    try:
+        publisher.publish(version, state)  # the WeightPublisher protocol: no per-call timeout
+    except Exception as err:
+        # A preemption's TERM reaches every rank at once: the generators it ends cannot take these weights. The
+        # drain must still save its checkpoint (the loop's next turn does), so only this publication is lost.
+        if not signals.requested():
+            raise
+        log.warning(
+            "%s came during the publication of v%d (%s); checkpointing without it", signals.requested(), version, err
+        )
 
 
 def save_drained(cfg: TrainerConfig, ctx: RankContext, col: Collector, policy, learner, why: str, version: int) -> None:
@@ -619,19 +787,32 @@ def save_drained(cfg: TrainerConfig, ctx: RankContext, col: Collector, policy, l
     )
 
 
-def follow(cfg: TrainerConfig, ctx: RankContext, policy, learner, group, src: int, version: int = 0) -> int:
-    """Other trainer ranks: take each batch from rank 0 and join the update."""
+def follow(
+    cfg: TrainerConfig,
+    ctx: RankContext,
+    policy,
+    learner,
+    group,
+    src: int,
+    version: int = 0,
+    shards: Optional[Shards] = None,
+) -> int:
+    """Other trainer ranks: take each batch from rank 0 and join the update (fsdp: and what rank 0 says next)."""
     events = EventLog(ctx.run_dir, "trainer", ctx.rank)
     # Rank 0 publishes the weights, which bring the generators back, only once every trainer rank said it is off.
     offloader = trainer_offloader(
         ctx, cfg.layout, policy, learner, events, OffloadReporter.of(ctx, "trainer", cfg.layout)
     )
     try:
+        if shards is not None:
+            shards.full_state(keep=False)  # rank 0's first publication
         while True:
             offloader.offload(version)  # a rollout phase: the GPU is the generator's
             # Rank 0 sends the batch only once every generator left the GPU: receiving it is our signal to move on.
             version, batch = broadcast_batch(None, version, group, src)
             if batch is None:
+                if shards is not None:
+                    join(cfg, ctx, learner, shards, receive_command(group, src))
                 return 0
             set_context(version=version)
             offloader.onload(version)
@@ -639,9 +820,21 @@ def follow(cfg: TrainerConfig, ctx: RankContext, policy, learner, group, src: in
             learner.update(batch.to(ctx.device), version)
             events.add("update", t0=t0, t1=ctx.now(), v=version, segments=len(batch.instructions))
             version += 1
+            if shards is not None:
+                join(cfg, ctx, learner, shards, receive_command(group, src))
     finally:
         events.flush()
         offloader.close()
+
+
+def join(cfg: TrainerConfig, ctx: RankContext, learner, shards: Shards, command: Command) -> None:
+    """fsdp, a follower: the collectives rank 0 announced, in rank 0's order (save, then gather)."""
+    if command.checkpoint:
+        optimizer = getattr(learner, "opt", None)
+        tmp = Path(command.checkpoint)
+        ckpt.save_sharded(ctx.run_dir, tmp, None, shards.policy, optimizer, [], cfg.checkpoint.keep, shards.group)
+    if command.publish or command.final:
+        shards.full_state(keep=False)
 
 
 def trainer_offloader(
