@@ -69,7 +69,8 @@ def test_plan_shows_the_resolved_restarts(tmp_path: Path) -> None:
     proc = vlaslurm("plan", str(tmp_path / "spec.yaml"), runs_root=tmp_path / "runs")
     assert proc.returncode == 0, proc.stderr
     header = next(line for line in proc.stdout.splitlines() if "restarts" in line)
-    rows = {line.split()[0]: line.split()[-1] for line in proc.stdout.splitlines() if line.strip()[:5] in ROLE_HEADS}
+    table = [line.split() for line in proc.stdout.splitlines() if len(line.split()) == len(header.split())]
+    rows = {cells[0]: cells[-1] for cells in table if cells[0][:5] in ROLE_HEADS}
     assert header.split()[-1] == "restarts"
     assert rows == {"simulator": "3", "generator": "3", "trainer": "0"}, proc.stdout
 

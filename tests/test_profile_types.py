@@ -111,7 +111,9 @@ def fabricated():
 
 
 def spec_with(weight_sync: str):
-    return types.SimpleNamespace(rollout=types.SimpleNamespace(weight_sync=weight_sync))
+    """The parts of a spec `from_profile` reads: the weight sync, and a model without a release folder (so the
+    trainer's memory is the profile's measurement, not an estimate)."""
+    return types.SimpleNamespace(rollout=types.SimpleNamespace(weight_sync=weight_sync), model=types.SimpleNamespace())
 
 
 def test_a_profile_round_trips_through_json() -> None:
@@ -159,6 +161,7 @@ def test_costs_from_the_typed_profile_are_the_ones_the_dict_gave() -> None:
         "train_per_step": 50.0,
         "gen_offload": 4096.0,
         "train_offload": 16384.0,
+        "trainer_at": None,  # no release folder: the profile's measured trainer memory stands
     }
     assert costs.episode_len.tolist() == [20, 24, 31, 18] and costs.reset_s == 0.003 and not costs.thread_safe
     fs = from_profile(Profile.from_dict(fabricated()), spec_with("filesystem"))

@@ -135,7 +135,9 @@ def collector(tmp_path, rollout: RolloutConfig, algo, sims: int = 1, chunk: int 
         tracking=TrackingConfig(failures_per_task=0),
         layout="disaggregated",
     )
-    ctx = SimpleNamespace(run_dir=tmp_path, now=lambda: 0.0, info=SimpleNamespace(ranks={"simulator": sims}))
+    ctx = SimpleNamespace(
+        run_dir=tmp_path, now=lambda: 0.0, info=SimpleNamespace(ranks={"simulator": sims}), world=None
+    )  # a RankContext without the distributed world
     return Collector(cfg, ctx, FakePull(), FakePub())
 
 
