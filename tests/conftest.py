@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, List, Optional
 
 import pytest
 
@@ -26,6 +26,15 @@ SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "
 
 def missing_slurm_binaries() -> list:
     return [b for b in SLURM_BINARIES if shutil.which(b) is None and not Path("/usr/sbin", b).exists()]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    """Under pytest-xdist (`.ci/test` runs two workers, `--dist loadgroup`): every file's tests stay on one
+    worker, so a module's shared runs are made once, and every Slurm test goes to one worker, so that jobs
+    queue against each other's deadlines only as they do in a serial run."""
+    for item in items:
+        group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")

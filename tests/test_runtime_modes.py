@@ -102,7 +102,9 @@ def test_pipelined_overlaps_serving_and_stepping_sync_never_does(mode_runs: Dict
         counts[mode] = per_sim
     for sim in (0, 1):
         batches, overlapping = counts["pipelined"][sim]
-        assert batches > 0 and overlapping >= 0.25 * batches, counts
+        # Quiet machine: about half overlap. A CPU hog beside the run serialises the ranks and shrinks it (16% seen
+        # at load 15); sync's zero is exact, so a tenth still tells the two apart.
+        assert batches > 0 and overlapping >= 0.1 * batches, counts
         batches, overlapping = counts["sync"][sim]
         assert batches > 0 and overlapping == 0, counts
 
