@@ -65,6 +65,17 @@ def test_the_spec_takes_the_fsdp_fields():
     )
 
 
+def test_the_loader_counts_the_trainer_ranks_the_job_starts(tmp_path: Path):
+    """hybrid: one trainer rank per GPU of the rollout roles (the plan's count), whatever resources.trainer says."""
+    spec = tmp_path / "hybrid.yaml"
+    spec.write_text(
+        "name: h\nenv: {type: synthetic, num_envs: 8}\nmodel: {type: synthetic}\nalgo: {type: synthetic}\n"
+        "rollout: {mode: sync}\nresources: {layout: hybrid, simulator: {gpus_per_node: 1}, "
+        "generator: {gpus_per_node: 1}}\ntrainer: {strategy: fsdp, replicas: 2}\n"
+    )
+    assert load_spec(spec).spec.trainer.replicas == 2  # 2 trainer ranks: 2 replicas of 1 shard each
+
+
 # --- gathers and commands on 2 gloo ranks -------------------------------------------------------------------------
 
 

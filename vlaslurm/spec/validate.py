@@ -59,6 +59,7 @@ def validate(loaded: LoadedSpec) -> None:
         _check_resources,
         _check_mode_layout,
         _check_slurm,
+        _check_sharding,
     ):
         check(loaded)
 
@@ -161,23 +162,6 @@ def _check_trainer(loaded: LoadedSpec) -> None:
         raise loaded.error("trainer.optimizer.eps", f"must be greater than 0, got {opt.eps}")
     if opt.value_lr is not None and not opt.value_lr > 0:
         raise loaded.error("trainer.optimizer.value_lr", f"must be greater than 0 (or null), got {opt.value_lr}")
-    _check_sharding(loaded)
-
-
-def _check_sharding(loaded: LoadedSpec) -> None:
-    """What `trainer.strategy: fsdp` cannot do, refused here as the trainer would refuse it at start: for the
-    Slurm job's trainer ranks and for a local run's (`runtime.local_ranks`)."""
-    spec = loaded.spec
-    res = spec.resources
-    slurm_ranks = res.trainer.nodes * res.trainer.tasks_per_node
-    lora = getattr(spec.model, "lora", None) is not None
-    counts = [(slurm_ranks, "resources.trainer")]
-    if "trainer" in spec.runtime.local_ranks:
-        counts.append((spec.runtime.local_ranks["trainer"], "runtime.local_ranks"))
-    for ranks, where in counts:
-        problem = fsdp_problem(spec.trainer, ranks, res.layout, lora, where)
-        if problem is not None:
-            raise loaded.error(*problem)
 
 
 def _check_env(loaded: LoadedSpec) -> None:
@@ -347,9 +331,27 @@ def _check_every_task_played(loaded: LoadedSpec) -> None:
 def _simulator_ranks(loaded: LoadedSpec) -> list:
     """(simulator ranks, where they come from) under Slurm and for `vlaslurm run`."""
     sim = loaded.spec.resources.simulator
-    slurm_ranks = sim.nodes * sim.tasks_per_node
-    local = loaded.spec.runtime.local_ranks.get("simulator", slurm_ranks)
-    return [(slurm_ranks, "resources.simulator"), (local, "runtime.local_ranks")]
+    return _role_ranks(loaded, "simulator", sim.nodes * sim.tasks_per_node)
+
+
+def _role_ranks(loaded: LoadedSpec, role: str, slurm_ranks: int) -> list:
+    """(ranks of `role`, where they come from): `slurm_ranks` in the job, `runtime.local_ranks` for `vlaslurm run`."""
+    local = loaded.spec.runtime.local_ranks.get(role, slurm_ranks)
+    return [(slurm_ranks, f"resources.{role}"), (local, "runtime.local_ranks")]
+
+
+def _check_sharding(loaded: LoadedSpec) -> None:
+    """What `trainer.strategy: fsdp` cannot do, refused here as the trainer refuses it at start. The job's trainer
+    ranks are the plan's (in the hybrid layout one per GPU of the rollout roles, not resources.trainer's tasks), so
+    this check runs last, on an otherwise valid spec."""
+    from vlaslurm.spec.plan import build_plan  # the plan module imports the loader, which imports this one
+
+    spec = loaded.spec
+    lora = getattr(spec.model, "lora", None) is not None
+    for ranks, where in _role_ranks(loaded, "trainer", build_plan(loaded).ranks()["trainer"]):
+        problem = fsdp_problem(spec.trainer, ranks, spec.resources.layout, lora, where)
+        if problem is not None:
+            raise loaded.error(*problem)
 
 
 def _check_resources(loaded: LoadedSpec) -> None:
