@@ -230,11 +230,14 @@ def _drain(procs: List[LocalProc], grace_s: float) -> None:
 
 
 def _terminate(procs: List[LocalProc], grace_s: float = 10.0) -> None:
+    """TERM every rank, then KILL what is left after `grace_s`; a trainer, which drains on TERM (a checkpoint
+    first, that may wait out a dead generator's deadline), gets `DRAIN_GRACE_S`."""
     for p in procs:
         if p.proc.poll() is None:
             os.killpg(p.proc.pid, signal.SIGTERM)
-    end = time.monotonic() + grace_s
+    start = time.monotonic()
     for p in procs:
+        end = start + (max(grace_s, DRAIN_GRACE_S) if p.role == "trainer" else grace_s)
         try:
             p.proc.wait(max(0.1, end - time.monotonic()))
         except subprocess.TimeoutExpired:
