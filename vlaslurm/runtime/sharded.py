@@ -10,7 +10,7 @@ moves each bucket to host memory and hands the whole state dict to the publisher
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, Mapping, Optional
+from typing import Callable, Dict, Optional
 
 import msgpack
 import torch
@@ -18,9 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from vlaslurm.algos.sharding import shard_policy
-from vlaslurm.models import build_policy
 from vlaslurm.runtime.weights import manifest_of, plan_buckets
-from vlaslurm.spec.model_types import ModelConfig
 from vlaslurm.spec.trainer_types import TrainerSpec
 
 
@@ -63,13 +61,9 @@ def receive_command(group, src: int) -> Command:
     return Command(publish=bool(body["publish"]), checkpoint=str(body["checkpoint"]), final=bool(body["final"]))
 
 
-def build_sharded_policy(
-    model: ModelConfig, trainer: TrainerSpec, dims: Mapping[str, int], group, device: torch.device, seed: int
-) -> nn.Module:
-    """The policy, built as the replicated trainer builds it (same seed: every rank starts from the same
-    parameters), then sharded over `group`: each rank keeps 1/N of every parameter."""
-    torch.manual_seed(seed)
-    policy = build_policy(model, **dims).to(device)
+def shard_trainer_policy(policy: nn.Module, trainer: TrainerSpec, group, device: torch.device) -> nn.Module:
+    """The trainer's policy, built as the replicated trainer builds it (`build_trainer_policy`: every rank starts
+    from the same parameters), sharded over `group` in place: each rank keeps 1/N of every parameter."""
     return shard_policy(
         policy,
         group=group,

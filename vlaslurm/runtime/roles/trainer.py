@@ -39,12 +39,12 @@ from vlaslurm.runtime.offload import Offloader, OffloadReporter, OffloadReports,
 from vlaslurm.runtime.schedule import Schedule
 from vlaslurm.runtime.sharded import (
     Command,
-    build_sharded_policy,
     gather_full_state,
     receive_command,
     receive_meta,
     send_command,
     send_meta,
+    shard_trainer_policy,
 )
 from vlaslurm.runtime.transport import Pub, Pull, rejection_counts
 from vlaslurm.runtime.weights import DEFAULT_BUCKET_BYTES, make_publisher
@@ -467,15 +467,14 @@ def run(ctx: RankContext, cfg: TrainerConfig) -> int:
     sharded = cfg.trainer.strategy == "fsdp"
     check_strategy(cfg, len(trainers))
     group = data_parallel_group(trainers, ctx.deadlines.first_s + ctx.deadlines.running_s, always=sharded)
+    policy = build_trainer_policy(cfg, ctx)
     shards = None
     if sharded:
         assert group is not None  # made for one trainer too
-        dims = ctx.member("simulator", 0).extra
-        policy = build_sharded_policy(cfg.model, cfg.trainer, dims, group, ctx.device, cfg.rollout.seed)
+        policy = shard_trainer_policy(policy, cfg.trainer, group, ctx.device)
         shards = Shards(group, trainers[0], policy)
         dp: DataParallel = ShardedDataParallel(group, ctx.rank, len(trainers))
     else:
-        policy = build_trainer_policy(cfg, ctx)
         dp = DataParallel(group, ctx.rank, len(trainers))
     learner = make_learner(cfg.algo, policy, dp, cfg.rollout.seed, cfg.trainer)
     optimizer = getattr(learner, "opt", None)
@@ -675,16 +674,13 @@ def stop_shards(
     """fsdp, rank 0, after the stop: with the other ranks, the drain's checkpoint or the final model's gather."""
     if shards is None:
         return None
-    newest = ckpt.latest(ctx.run_dir)
-    save = bool(drained) and (newest is None or newest.name != f"v{version:08d}")
+    save = bool(drained) and not saved_at(ctx, version)
     tmp = sharded_save_folder(ctx, version) if save else None
     shards.tell(Command(checkpoint=str(tmp or ""), final=final))
     if tmp is not None:
         save_checkpoint(cfg, ctx, col, policy, learner, shards, tmp)
     if drained:
-        log.warning(
-            "%s: checkpoint v%d saved; stopping every rank (a requeue or `vlaslurm resume` continues)", drained, version
-        )
+        say_drained(drained, version)
     return shards.full_state(keep=True) if final else None
 
 
@@ -779,9 +775,18 @@ def publish_version(
 
 def save_drained(cfg: TrainerConfig, ctx: RankContext, col: Collector, policy, learner, why: str, version: int) -> None:
     """A drain signal came: make sure a checkpoint of `version` exists before every rank stops."""
-    newest = ckpt.latest(ctx.run_dir)
-    if newest is None or newest.name != f"v{version:08d}":  # not saved at this boundary yet
+    if not saved_at(ctx, version):
         save_checkpoint(cfg, ctx, col, policy, learner)
+    say_drained(why, version)
+
+
+def saved_at(ctx: RankContext, version: int) -> bool:
+    """Whether the newest checkpoint is `version`'s (a drain right after a periodic save need not save again)."""
+    newest = ckpt.latest(ctx.run_dir)
+    return newest is not None and newest.name == RunDir(ctx.run_dir).checkpoint(version).name
+
+
+def say_drained(why: str, version: int) -> None:
     log.warning(
         "%s: checkpoint v%d saved; stopping every rank (a requeue or `vlaslurm resume` continues from it)", why, version
     )
