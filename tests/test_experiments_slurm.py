@@ -39,7 +39,8 @@ STANDIN_ROOT = REPO / "tests" / "robotwin_standin" / "root"
 DEADLINE_S = 420.0  # per job, from submission: three jobs share two cores (LIBERO builds its scenes for ~1 min)
 IMAGE_SIZE = 16
 GROUP = 2  # GRPO group size of the LIBERO and RoboTwin jobs
-TOTAL_ENV_STEPS = {"maniskill": 128, "libero": 32, "robotwin": 128}
+TOTAL_ENV_STEPS = {"maniskill": 64, "libero": 32, "robotwin": 128}
+MANISKILL_EPISODE_STEPS = 16  # two environments reach it within the 64 env steps
 # What each experiment's simulator reports (action_dim, state_dim): the checkpoint's statistics and head files must
 # fit them (the OFT proprio projector reads the state).
 # ManiSkill: agent (qpos 9, qvel 9) + extra (tcp pose 7, goal 3, PickCube's is_grasped 1), padded to the longest.
@@ -64,7 +65,13 @@ def overrides(name: str, checkpoint: Path) -> List[str]:
         common
         + {
             # no CUDA here: ManiSkill's cpu backend (one process per instance) instead of physx_cuda
-            "maniskill": ["env.sim_backend=cpu", "env.num_envs=2", "algo.steps_per_update=32"],
+            "maniskill": [
+                "env.sim_backend=cpu",
+                "env.num_envs=2",
+                f"env.max_episode_steps={MANISKILL_EPISODE_STEPS}",
+                "algo.steps_per_update=32",
+                "resources.simulator.mem=16G",  # the spec's 200G would fill a node and queue the other jobs
+            ],
             # hybrid: the trainer overlaps every GPU of the simulator and generator (1 + 1 -> 2 trainer ranks)
             # two of the spec's four suites: 4 environments make 2 GRPO groups, one task each
             "libero": [
@@ -82,6 +89,7 @@ def overrides(name: str, checkpoint: Path) -> List[str]:
                 f"algo.group_size={GROUP}",
                 "algo.steps_per_update=64",
                 "resources.trainer.nodes=1",
+                "resources.simulator.mem=16G",
             ],
         }[name]
     )
@@ -100,10 +108,12 @@ def missing_simulator(name: str) -> Optional[str]:
 def tiny_checkpoint(name: str, directory: Path) -> Path:
     """A tiny random OpenVLA-OFT release folder (the released layout: sharded safetensors, tokenizer, statistics,
     head files) shaped for `name`'s simulator: what a user's SFT checkpoint looks like, at a few MB."""
-    from tiny_checkpoints import write_tiny_release
+    from tiny_checkpoints import RUNTIME_IMAGE_SIZE, write_tiny_release
 
     action_dim, state_dim = DIMS[name]
-    return write_tiny_release(directory / name, oft=True, action_dim=action_dim, proprio_dim=state_dim)
+    return write_tiny_release(
+        directory / name, oft=True, action_dim=action_dim, proprio_dim=state_dim, image_size=RUNTIME_IMAGE_SIZE
+    )
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +166,7 @@ def job_of(jobs: Dict[str, Union[Job, str]], name: str) -> Job:
 def test_maniskill_experiment_submits_and_runs(jobs: Dict[str, Union[Job, str]]) -> None:
     ledger = check_completed(job_of(jobs, "maniskill"), "maniskill")
     assert set(ledger["task"]) == set(spec_tasks("maniskill")) == {"PickCube-v1", "PushCube-v1"}
-    assert ledger["truncated"].any(), "no ManiSkill episode reached the spec's 50-step limit"
+    assert ledger["truncated"].any(), f"no ManiSkill episode reached the {MANISKILL_EPISODE_STEPS}-step limit"
 
 
 def test_libero_experiment_submits_and_runs(jobs: Dict[str, Union[Job, str]]) -> None:

@@ -252,6 +252,18 @@ def test_one_shard_is_a_single_model_safetensors(tiny, tokenizer, tmp_path):
     assert all(torch.equal(t, state[k]) for k, t in tiny.state_dict().items())
 
 
+def test_a_smaller_input_side_is_saved_in_both_configs_and_loads(tokenizer, tmp_path):
+    """Runtime tests use 56 px towers (4x4 patches): the preprocessor config must resize to what config.json says."""
+    vla = build_vla(tiny_release_config(NORM_STATS, image_size=56), device="cpu").eval()
+    folder = save_release_layout(vla, tmp_path / "56px", tokenizer, NORM_STATS)
+    assert json.loads((folder / "config.json").read_text())["image_sizes"] == [56, 56]
+    loaded = load_pretrained(folder)
+    pixels = loaded.pixel_values(frame(3))
+    assert pixels.shape[-2:] == (56, 56)
+    with torch.inference_mode():
+        assert torch.equal(vla(pixels, loaded.input_ids("lift")), loaded.model(pixels, loaded.input_ids("lift")))
+
+
 def test_predict_action_deterministic_and_within_bounds(loaded):
     image = frame(2, 240, 320)
     first = loaded.predict_action(image, "open the drawer", BRIDGE)

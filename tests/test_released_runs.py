@@ -12,29 +12,31 @@ import numpy as np
 import pytest
 import yaml
 from runtime_helpers import run_spec
-from tiny_checkpoints import write_tiny_release
+from tiny_checkpoints import RUNTIME_IMAGE_SIZE, write_tiny_release
 
 HAS_LIBERO = importlib.util.find_spec("libero") is not None
 
 
 @pytest.fixture(scope="module")
 def toy_oft(tmp_path_factory) -> Path:
-    return write_tiny_release(tmp_path_factory.mktemp("toy-oft"), oft=True, action_dim=2, proprio_dim=2)
+    return write_tiny_release(
+        tmp_path_factory.mktemp("toy-oft"), oft=True, action_dim=2, proprio_dim=2, image_size=RUNTIME_IMAGE_SIZE
+    )
 
 
 @pytest.fixture(scope="module")
 def toy_openvla(tmp_path_factory) -> Path:
-    return write_tiny_release(tmp_path_factory.mktemp("toy-openvla"), action_dim=2)
+    return write_tiny_release(tmp_path_factory.mktemp("toy-openvla"), action_dim=2, image_size=RUNTIME_IMAGE_SIZE)
 
 
 @pytest.fixture(scope="module")
 def libero_oft(tmp_path_factory) -> Path:
-    return write_tiny_release(tmp_path_factory.mktemp("libero-oft"), oft=True)
+    return write_tiny_release(tmp_path_factory.mktemp("libero-oft"), oft=True, image_size=RUNTIME_IMAGE_SIZE)
 
 
 @pytest.fixture(scope="module")
 def libero_openvla(tmp_path_factory) -> Path:
-    return write_tiny_release(tmp_path_factory.mktemp("libero-openvla"))
+    return write_tiny_release(tmp_path_factory.mktemp("libero-openvla"), image_size=RUNTIME_IMAGE_SIZE)
 
 
 def spec(env: dict, model: dict, algo: dict, mode: str, total_env_steps: int) -> dict:

@@ -63,6 +63,11 @@ def tiny_norm_stats(datasets: Sequence[str], action_dim: int, proprio_dim: int) 
     return out
 
 
+# 4x4 patches instead of 16x16: the same modules, config fields and preprocessing, at a sequence ~5x shorter, so
+# runs that train a tiny release on two shared cores spend their time in the runtime rather than in attention.
+RUNTIME_IMAGE_SIZE = 56
+
+
 def write_tiny_release(
     folder: PathLike,
     *,
@@ -71,14 +76,18 @@ def write_tiny_release(
     proprio_dim: int = 8,
     datasets: Sequence[str] = ("libero_spatial_no_noops",),
     seed: int = 0,
+    image_size: int = 224,
 ) -> Path:
-    """A tiny random OpenVLA release folder at `folder` (created); OpenVLA-OFT's with `oft=True`. Returns it."""
+    """A tiny random OpenVLA release folder at `folder` (created); OpenVLA-OFT's with `oft=True`. Returns it.
+
+    `image_size` is the towers' input side (config.json `image_sizes`, preprocessor_config.json): the release's
+    224 by default; RUNTIME_IMAGE_SIZE for tests that run jobs through the release's code path."""
     if not datasets:
         raise ValueError("datasets must name at least one statistics entry")
     norm_stats = tiny_norm_stats(datasets, action_dim, proprio_dim)
     with torch.random.fork_rng(devices=[]):  # the caller's global RNG stays as it was
         torch.manual_seed(seed)
-        vla = build_vla(tiny_release_config(norm_stats), device="cpu").eval()
+        vla = build_vla(tiny_release_config(norm_stats, image_size), device="cpu").eval()
         # ~18 MB in four shards with their index, as the 7B releases are stored (a single file is another path).
         out = save_release_layout(vla, folder, llama_layout_tokenizer(), norm_stats, max_shard_size=SHARD_SIZE)
         if oft:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
@@ -84,6 +84,12 @@ class ImageTransform:
     @property
     def channels(self) -> int:
         return 3 * len(self.towers)
+
+    def resized_to(self, sizes: Sequence[int]) -> ImageTransform:
+        """The same normalisations at other input sides, one per tower (a config's `image_sizes`)."""
+        if len(sizes) != len(self.towers):
+            raise ValueError(f"{len(self.towers)} towers but image sizes {list(sizes)}")
+        return ImageTransform(tuple(replace(tower, size=size) for tower, size in zip(self.towers, sizes)))
 
     def __call__(self, image: Image.Image) -> torch.Tensor:
         rgb = image.convert("RGB")

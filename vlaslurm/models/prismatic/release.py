@@ -341,11 +341,13 @@ def _tower_overrides(cfg: ViTConfig) -> Dict[str, Any]:
     return {key: getattr(cfg, key) for key in OVERRIDABLE if getattr(cfg, key) != getattr(type(cfg), key)}
 
 
-def tiny_release_config(norm_stats: Optional[Mapping[str, Any]] = None) -> ReleaseConfig:
-    """A few-MB config with the release's parameter names: tiny towers (224 px, 256 patches) and a 64-wide Llama."""
+def tiny_release_config(norm_stats: Optional[Mapping[str, Any]] = None, image_size: int = 224) -> ReleaseConfig:
+    """A few-MB config with the release's parameter names: tiny towers and a 64-wide Llama. At the release's
+    224 px the towers see 256 patches; a smaller `image_size` (a multiple of 14) cuts the sequence for runtime
+    tests that exercise the release's code path, not its input size."""
     return ReleaseConfig(
         timm_model_ids=FUSED_TIMM_IDS,
-        image_sizes=(224, 224),
+        image_sizes=(image_size, image_size),
         text_config=dict(TINY_TEXT_CONFIG),
         norm_stats=norm_stats,
         tiny_timm_overrides=TINY_TIMM_OVERRIDES,
@@ -762,7 +764,8 @@ def save_release_layout(
     save_weights(vla.state_dict(), folder, max_shard_size)
     save_tokenizer(tokenizer, folder)
     _write_json(folder / DATASET_STATISTICS_FILE, dict(norm_stats))
-    _write_json(folder / PREPROCESSOR_FILE, preprocessor_config_json(image_transform or ImageTransform()))
+    transform = image_transform or ImageTransform().resized_to(config.image_sizes)
+    _write_json(folder / PREPROCESSOR_FILE, preprocessor_config_json(transform))
     return folder
 
 
