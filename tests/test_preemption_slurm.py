@@ -13,6 +13,7 @@ import json
 import subprocess
 import time
 from pathlib import Path
+from typing import Dict, Optional
 
 import pytest
 import yaml
@@ -95,11 +96,25 @@ def requeued(run_dir: Path) -> bool:
     return any(r["step"] == "job" and r["restart"] == 0 and r["exit_code"] == 75 for r in exit_record(run_dir))
 
 
-def extend_time_limit(job_id: str, limit: str) -> None:
-    """Every component of the hetjob (`<id>+<k>`), while it waits to start again."""
-    ids = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%i"], capture_output=True, text=True).stdout.split()
-    for component in ids or [job_id]:
+def components(job_id: str) -> Dict[str, str]:
+    """State of every component of the hetjob (`<id>+<k>`), by id."""
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%i %t"], capture_output=True, text=True).stdout
+    return dict(line.split() for line in out.splitlines() if len(line.split()) == 2)
+
+
+def restart_now(job_id: str, run_dir: Path, limit: Optional[str] = None) -> None:
+    """Once the requeued job is pending again: start it now instead of at the begin time Slurm gives a requeued
+    job (~90 s here), as an operator might, and optionally give it a longer time limit. An update sent while the
+    job is still completing does not stick, hence the wait for PD (or for the restart, if Slurm was quicker)."""
+    restarted = run_dir / "rendezvous" / f"{job_id}-r1"
+    wait_until(
+        lambda: restarted.is_dir() or set(components(job_id).values()) == {"PD"}, 120, "requeued job pending", job_id
+    )
+    if restarted.is_dir():
+        return
+    for component in components(job_id) if limit else ():
         subprocess.run(["scontrol", "update", f"JobId={component}", f"TimeLimit={limit}"], check=False)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False)
 
 
 def finished_after_restart(run_dir: Path) -> bool:
@@ -128,9 +143,9 @@ def test_scontrol_requeue_restarts_the_whole_job_from_its_checkpoint(root: Path,
     job_id, run_dir = submit(root, tmp_path, spec("requeue", versions))
     wait_until(lambda: versions_done(run_dir) >= 7, 120, "version 7", job_id)
     subprocess.run(["scontrol", "requeue", job_id], check=True)
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False)
-    # Deadlines from observed progress: Slurm may hold a requeued job a minute or two before it starts
-    # again (more on a loaded machine), and once it runs, each new version proves it is not stuck.
+    restart_now(job_id, run_dir)
+    # Deadlines from observed progress: a requeued job may wait for nodes (more on a loaded machine), and once
+    # it runs, each new version proves it is not stuck.
     restarted = run_dir / "rendezvous" / f"{job_id}-r1"
     wait_until(restarted.is_dir, 300, "start after the requeue", job_id)
     wait_progressing(
@@ -145,7 +160,7 @@ def test_time_limit_signal_checkpoints_and_requeues(root: Path, tmp_path: Path) 
     wait_until(lambda: requeued(run_dir), 240, "checkpoint and requeue at the limit's signal", job_id)
     # The attempt that follows has the same limit: on a loaded machine it may reach its own signal too, as it ends
     # (what a requeue loop does; not what this test checks), so it gets the time to finish, as an operator would.
-    extend_time_limit(job_id, "00:10:00")
+    restart_now(job_id, run_dir, limit="00:10:00")
     wait_until(lambda: finished_after_restart(run_dir), 330, "finish after the requeue", job_id)
     log = (run_dir / "logs" / "trainer" / "0.log").read_text()
     assert "SIGUSR2: checkpoint v" in log
