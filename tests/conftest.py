@@ -37,6 +37,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
         item.add_marker(pytest.mark.xdist_group(group))
 
 
+@pytest.fixture
+def cpu_hog() -> Iterator[int]:
+    """A CPU load beside this test when VLASLURM_TEST_CPU_HOG=1 (`.ci/test`); see tests/cpu_hog.py."""
+    from cpu_hog import cpu_hog as hog
+
+    with hog() as count:
+        yield count
+
+
+@pytest.fixture(scope="module")
+def cpu_hog_module() -> Iterator[int]:
+    """`cpu_hog` for a module's shared runs."""
+    from cpu_hog import cpu_hog as hog
+
+    with hog() as count:
+        yield count
+
+
 @pytest.fixture(scope="session")
 def local_slurm() -> Iterator[lc.ClusterInfo]:
     """The local cluster, started if needed (and then stopped at the end), with SLURM_CONF set for

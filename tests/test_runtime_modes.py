@@ -25,8 +25,8 @@ MODES = {"sync": {}, "pipelined": {"pipeline_depth": 2}, "async": {"max_stalenes
 
 
 @pytest.fixture(scope="module")
-def mode_runs(tmp_path_factory) -> Dict[str, Run]:
-    """One run per mode with two ranks of every role (shared by the tests below)."""
+def mode_runs(tmp_path_factory, cpu_hog_module: int) -> Dict[str, Run]:
+    """One run per mode with two ranks of every role (shared by the tests below), beside CI's CPU hog."""
     runs = {}
     for mode, extra in MODES.items():
         tmp = tmp_path_factory.mktemp(mode)
@@ -160,7 +160,7 @@ def test_synthetic_step_takes_back_the_lateness_of_its_last_wake_up(monkeypatch)
     assert clock["now"] == pytest.approx(0.026)
 
 
-def test_slow_trainer_staleness_bound(tmp_path: Path) -> None:
+def test_slow_trainer_staleness_bound(tmp_path: Path, cpu_hog: int) -> None:
     """A slowed trainer with max_staleness 1: `drop` drops stale segments, `hold` makes the generator wait
     instead, and every used sample's lag stays <= 1 under both. Both runs go at once, so they share
     whatever else loads the machine: holding must drop far less than dropping (segments served within
@@ -197,7 +197,9 @@ def fast_env_rate(run: Run, slow_envs: set) -> float:
 
 
 @pytest.mark.parametrize("mode,expect_kept", [("async", True), ("sync", False)])
-def test_one_slow_environment_does_not_slow_the_others_in_async(tmp_path: Path, mode: str, expect_kept: bool) -> None:
+def test_one_slow_environment_does_not_slow_the_others_in_async(
+    tmp_path: Path, mode: str, expect_kept: bool, cpu_hog: int
+) -> None:
     """Async: the 7 fast envs keep >= 90% of their pace next to one 10x slower env. Sync (the control
     that shows the measure can fail): lock-step makes every env wait for the slow one.
 
