@@ -15,6 +15,7 @@ POLICIES: Registry[Callable[..., Policy]] = Registry("model", "policy")
 POLICIES.lazy("synthetic", "vlaslurm.models.synthetic:build")
 POLICIES.lazy("openvla", "vlaslurm.models.openvla:build")
 POLICIES.lazy("openvla-oft", "vlaslurm.models.openvla_oft:build")
+POLICIES.lazy("pi0", "vlaslurm.models.pi0.build:build")
 
 
 def build_policy(cfg: ModelConfig, action_dim: int, state_dim: int, image_size: int, num_cameras: int) -> Policy:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Protocol
+from typing import Any, Dict, List, Optional, Protocol
 
 import torch
 
@@ -17,6 +17,9 @@ class PolicyInput:
     instructions: List[str]  # B language instructions
     # int64 [B]: per-item sampling seeds, so a sample does not depend on which batch it was served in
     seeds: Optional[torch.Tensor] = None
+    # Per-sample tensors [B, ...] that a policy's `act` put in `PolicyOutput.replay`, handed back to `evaluate`
+    # (the trainer sets them from the stored sample); None for policies whose `evaluate` needs only the actions
+    replay: Optional[Dict[str, torch.Tensor]] = None
 
 
 @dataclass
@@ -33,6 +36,10 @@ class PolicyOutput:
     token_logprob: Optional[torch.Tensor] = None
     # float32 [B, action_chunk]: a value per action slot of the chunk, for value_level: action; None if not given
     slot_value: Optional[torch.Tensor] = None
+    # Per-sample tensors [B, ...] that `evaluate` needs besides the actions, which the runtime must store with the
+    # sample and hand back as `PolicyInput.replay` (pi0: the denoising path and its stochastic steps, since seeds
+    # cannot rebuild a path under newer weights); None for every policy whose actions suffice
+    replay: Optional[Dict[str, torch.Tensor]] = None
 
 
 @dataclass
@@ -56,7 +63,8 @@ class Policy(Protocol):
         """Sample (or take the mode of) an action chunk per observation; no gradients."""
 
     def evaluate(self, inp: PolicyInput, actions: torch.Tensor) -> PolicyEval:
-        """Log-probs, entropy and value of stored `actions` [B, action_chunk, action_dim]."""
+        """Log-probs, entropy and value of stored `actions` [B, action_chunk, action_dim] (and of `inp.replay`,
+        for a policy whose `act` returned one)."""
 
     # What the runtime calls of torch.nn.Module on a built policy; both return the module itself, typed Any
     # because a Protocol cannot say "and a torch.nn.Module".

@@ -11,7 +11,9 @@ policy-space actions to environment actions.
   environment gets them de-normalised with the statistics of `model.unnorm_key`, then post-processed
   (`model.gripper`). The simulator and the eval loops apply it right before `env.step`; segments keep the
   policy-space actions, which is what the learner's log-probs are of.
-- `load_pretrained(path)`: the public entry for scripts; OFT when the folder holds head files.
+- `load_pretrained(path)`: the public entry for scripts; OFT when the folder holds head files, π0 when its
+  config.json has transformers' `model_type: pi0` (`check_checkpoint` checks such a folder's files for
+  `model.type: pi0`).
 
 Folders of this project's own look-alikes (config.json `model_type` "vlaslurm-...") are not released checkpoints:
 the preflight leaves them to their own loader, and their transform is the identity. Heavy imports are lazy:
@@ -29,9 +31,10 @@ import numpy as np
 import torch  # already imported with vlaslurm.models (base.py)
 
 from vlaslurm.spec.errors import close_names
-from vlaslurm.spec.model_types import ModelConfig, OpenVLAOFTConfig, VLAConfig
+from vlaslurm.spec.model_types import ModelConfig, OpenVLAOFTConfig, PI0PolicyConfig, VLAConfig
 
 if TYPE_CHECKING:
+    from vlaslurm.models.pi0.policy import PI0Policy
     from vlaslurm.models.prismatic.actions import ArrayStats, NormStats
     from vlaslurm.models.prismatic.oft import ReleasedOpenVLAOFT
     from vlaslurm.models.prismatic.release import ReleasedOpenVLA
@@ -43,6 +46,7 @@ ActionTransform = Callable[[np.ndarray], np.ndarray]
 # (prismatic/release.py and prismatic/lora.py use the libraries' own constants, which are these).
 CONFIG_FILE = "config.json"
 RELEASE_MODEL_TYPE = "openvla"
+PI0_MODEL_TYPE = "pi0"  # transformers' PI0Config.model_type
 WEIGHTS_SUFFIX = ".safetensors"  # the shards, or the one file save_pretrained writes when everything fits
 TOKENIZER_FILE = "tokenizer.json"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -182,6 +186,8 @@ def check_checkpoint(
     `action_dim`, when given (the environment's), must equal the statistics' action dimensions; `state` and
     `images` (whether the environment gives them) must be true for a proprio projector and for any VLA.
     """
+    if cfg.path is not None and isinstance(cfg, PI0PolicyConfig):
+        return _check_pi0_folder(Path(cfg.path).expanduser())
     if cfg.path is None or not isinstance(cfg, VLAConfig):
         return
     path = Path(cfg.path).expanduser()
@@ -222,6 +228,22 @@ def check_checkpoint(
             f"the statistics of {key!r} ({stats.source}) have {dim} action dimensions but the environment takes "
             f"{action_dim}; pick the dataset of this robot, or a checkpoint trained for it",
         )
+
+
+def _check_pi0_folder(folder: Path) -> None:
+    if not folder.is_dir():
+        raise CheckpointError(
+            "model.path", f"folder {str(folder)!r} does not exist (relative paths: from {Path.cwd()})"
+        )
+    model_type = _read_json(folder / CONFIG_FILE, "model.path").get("model_type")
+    if model_type != PI0_MODEL_TYPE:
+        raise CheckpointError(
+            "model.path",
+            f"{folder / CONFIG_FILE} has model_type {model_type!r}; model.type pi0 reads a folder in transformers' "
+            f"PI0 layout (model_type {PI0_MODEL_TYPE!r})",
+        )
+    if not any(p.is_file() for p in folder.glob(f"*{WEIGHTS_SUFFIX}")):
+        raise CheckpointError("model.path", f"folder {str(folder)!r} holds no weights (*{WEIGHTS_SUFFIX} files)")
 
 
 def _check_files(folders: CheckpointFolders, field: str) -> None:
@@ -377,16 +399,22 @@ def load_pretrained(
     chunk: Optional[int] = None,
     action_dim: Optional[int] = None,
     proprio_dim: Optional[int] = None,
-) -> Union[ReleasedOpenVLA, ReleasedOpenVLAOFT]:
+) -> Union[ReleasedOpenVLA, ReleasedOpenVLAOFT, PI0Policy]:
     """A released checkpoint folder, loaded strictly and frozen: OpenVLA-OFT when it holds head files (LIBERO's
     chunk 8, action_dim 7, proprio_dim 8 unless `chunk=`, `action_dim=`, `proprio_dim=` say otherwise), else
     OpenVLA. `policy.predict_action(image_or_images, instruction, unnorm_key=None, proprio=None)` gives the
-    release's de-normalised actions: [action_dim] for OpenVLA, [chunk, action_dim] for OFT."""
+    release's de-normalised actions: [action_dim] for OpenVLA, [chunk, action_dim] for OFT.
+
+    A folder in transformers' PI0 layout gives a `PI0Policy` (its chunk from config.json, `action_dim` by default
+    its max_action_dim); `predict_action(images, instruction, state=None, seed=0)` the ODE's chunk
+    [chunk, action_dim] in the checkpoint's (normalised) action space."""
     from vlaslurm.models.prismatic import oft, release
 
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise release.ReleaseError(f"{folder} is not a folder; pass a release folder holding {CONFIG_FILE}")
+    if release_model_type(folder) == PI0_MODEL_TYPE:
+        return _load_pi0(folder, dtype, device, chunk, action_dim, proprio_dim)
     if is_adapter_folder(folder):
         raise release.ReleaseError(
             f"{folder} is a LoRA adapter folder; load its base release, or use it as model.path with model.base_path"
@@ -406,3 +434,21 @@ def load_pretrained(
     if shape:
         raise TypeError(f"{', '.join(shape)} apply to OpenVLA-OFT folders only; {folder} holds no OFT head files")
     return release.load_pretrained(folder, dtype, device)
+
+
+def _load_pi0(
+    folder: Path,
+    dtype: torch.dtype,
+    device: Union[str, torch.device],
+    chunk: Optional[int],
+    action_dim: Optional[int],
+    proprio_dim: Optional[int],
+) -> PI0Policy:
+    from vlaslurm.models.pi0.build import load_pi0
+
+    if proprio_dim is not None:
+        raise TypeError(f"proprio_dim applies to OpenVLA-OFT folders; {folder} is a π0 (state: max_state_dim)")
+    policy = load_pi0(folder, action_dim=action_dim, dtype=dtype, device=device)
+    if chunk is not None and chunk != policy.action_chunk:
+        raise ValueError(f"{folder} predicts chunks of {policy.action_chunk} (config.json chunk_size), not {chunk}")
+    return policy

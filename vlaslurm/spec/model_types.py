@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Literal, Optional, Union
+from typing import List, Literal, Optional, Protocol, Tuple, Union
 
 from vlaslurm.spec.registry import doc, register
 
@@ -118,3 +118,69 @@ class SyntheticModelConfig(ModelConfig):
 
     forward_ms: ForwardCostConfig = field(default_factory=ForwardCostConfig, metadata={"doc": "Forward cost."})
     num_params: int = doc(1024, "Size of the fake weight vector that is synchronised.")
+
+
+@register("model", "pi0")
+@dataclass
+class PI0PolicyConfig(ModelConfig):
+    """π0 (transformers' PI0ForConditionalGeneration): a flow-matching action chunk, log-probs of the denoising path
+    (πRL's Flow-SDE or Flow-Noise); path: a folder in transformers' PI0 layout, None = a tiny random π0."""
+
+    action_chunk: int = doc(50, "Actions per chunk: the checkpoint's chunk_size (50 for the π0 releases).")
+    denoise_steps: int = doc(10, "K, the denoising steps per chunk (π0's num_inference_steps).")
+    noise_method: Literal["flow_sde", "flow_noise"] = doc(
+        "flow_sde",
+        "flow_sde: sde_steps of the K steps (drawn per sample) are SDE steps, the rest ODE; flow_noise: every "
+        "step adds noise of a learned std in [noise_min, noise_max].",
+    )
+    sde_steps: int = doc(1, "flow_sde: stochastic steps per chunk, 1..denoise_steps.")
+    noise_level: float = doc(0.5, "flow_sde: a in the SDE's noise scale a sqrt(t / (1 - t)).")
+    noise_min: float = doc(0.08, "flow_noise: lower bound of the learned noise std.")
+    noise_max: float = doc(0.16, "flow_noise: upper bound of the learned noise std.")
+    value_from: Literal["expert", "prefix"] = doc(
+        "expert", "Where the critic reads: the action expert's hidden states, or the PaliGemma prefix's."
+    )
+    init_seed: int = doc(0, "Seed of the random initialisation when path is None (equal on every rank).")
+
+
+class FlowFields(Protocol):
+    """The π0 sampler's fields, in the spec (PI0PolicyConfig) and in the policy (models/pi0/flow.py FlowSettings)."""
+
+    @property
+    def denoise_steps(self) -> int: ...
+
+    @property
+    def noise_method(self) -> str: ...
+
+    @property
+    def sde_steps(self) -> int: ...
+
+    @property
+    def noise_level(self) -> float: ...
+
+    @property
+    def noise_min(self) -> float: ...
+
+    @property
+    def noise_max(self) -> float: ...
+
+
+FLOW_METHODS = ("flow_sde", "flow_noise")
+
+
+def flow_problem(s: FlowFields) -> Optional[Tuple[str, str]]:
+    """(field under model., why) of the first invalid sampler setting, or None."""
+    if s.noise_method not in FLOW_METHODS:
+        return "noise_method", f"must be one of {', '.join(FLOW_METHODS)}, got {s.noise_method!r}"
+    if s.denoise_steps < 1:
+        return "denoise_steps", f"must be at least 1, got {s.denoise_steps}"
+    if not 1 <= s.sde_steps <= s.denoise_steps:
+        return "sde_steps", f"must lie in [1, model.denoise_steps = {s.denoise_steps}], got {s.sde_steps}"
+    if not s.noise_level > 0:
+        return "noise_level", f"must be greater than 0, got {s.noise_level}"
+    if not 0 < s.noise_min <= s.noise_max:
+        return (
+            "noise_min",
+            f"and model.noise_max must satisfy 0 < noise_min <= noise_max, got {s.noise_min}, {s.noise_max}",
+        )
+    return None

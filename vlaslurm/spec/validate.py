@@ -8,7 +8,7 @@ import re
 from typing import TYPE_CHECKING, Iterable, cast
 
 from vlaslurm.spec.errors import close_names
-from vlaslurm.spec.model_types import VLAConfig
+from vlaslurm.spec.model_types import PI0PolicyConfig, VLAConfig, flow_problem
 from vlaslurm.spec.schema import DEFAULT_RESTARTS, ROLES
 from vlaslurm.spec.trainer_types import fsdp_problem
 
@@ -52,6 +52,7 @@ def validate(loaded: LoadedSpec) -> None:
         _check_maxima,
         _check_env,
         _check_model,
+        _check_pi0,
         _check_algo,
         _check_algo_knobs,
         _check_publish_every,
@@ -196,6 +197,25 @@ def _check_model(loaded: LoadedSpec) -> None:
             raise loaded.error(f"model.{key}", "must not be empty; remove it to use the default")
     if model.lora is not None:
         _check_lora(loaded, model)
+
+
+def _check_pi0(loaded: LoadedSpec) -> None:
+    """The π0 sampler's fields (`flow_problem`, which the policy's FlowSettings also applies), then the refusal: the
+    runtime does not yet carry a sample's denoising path (PolicyOutput.replay) to the trainer, without which a
+    newer policy cannot recompute the sample's log-prob, so no run may start with model.type: pi0."""
+    model = loaded.spec.model
+    if not isinstance(model, PI0PolicyConfig):
+        return
+    problem = flow_problem(model)
+    if problem is not None:
+        raise loaded.error(f"model.{problem[0]}", problem[1])
+    if model.path == "":
+        raise loaded.error("model.path", "must not be empty; remove it to use the default")
+    raise loaded.error(
+        "model.type",
+        "pi0 is not yet carried by the runtime: its samples' denoising paths (PolicyOutput.replay) do not reach "
+        "the trainer yet; use pi0 from Python (vlaslurm.models.load_pretrained) until they do",
+    )
 
 
 def _check_lora(loaded: LoadedSpec, model: VLAConfig) -> None:
