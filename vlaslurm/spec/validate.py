@@ -184,6 +184,9 @@ def _check_model(loaded: LoadedSpec) -> None:
     temperature = getattr(model, "temperature", None)  # openvla and openvla-oft (discrete head) sample with it
     if temperature is not None and temperature <= 0:
         raise loaded.error("model.temperature", f"must be greater than 0, got {temperature}")
+    for key in ("path", "base_path", "unnorm_key"):  # of whichever model type has them
+        if getattr(model, key, None) == "":
+            raise loaded.error(f"model.{key}", "must not be empty; remove it to use the default")
     if not isinstance(model, VLAConfig):
         return
     if model.base_path is not None and model.path is None:
@@ -192,9 +195,6 @@ def _check_model(loaded: LoadedSpec) -> None:
             "names the release under a LoRA adapter, so it needs model.path (the adapter folder); "
             "to load a release itself, set model.path to it instead",
         )
-    for key in ("path", "base_path", "unnorm_key"):
-        if getattr(model, key) == "":
-            raise loaded.error(f"model.{key}", "must not be empty; remove it to use the default")
     if model.lora is not None:
         _check_lora(loaded, model)
 
@@ -209,8 +209,6 @@ def _check_pi0(loaded: LoadedSpec) -> None:
     problem = flow_problem(model)
     if problem is not None:
         raise loaded.error(f"model.{problem[0]}", problem[1])
-    if model.path == "":
-        raise loaded.error("model.path", "must not be empty; remove it to use the default")
     raise loaded.error(
         "model.type",
         "pi0 is not yet carried by the runtime: its samples' denoising paths (PolicyOutput.replay) do not reach "
