@@ -37,22 +37,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
         item.add_marker(pytest.mark.xdist_group(group))
 
 
-@pytest.fixture
-def cpu_hog() -> Iterator[int]:
-    """A CPU load beside this test when VLASLURM_TEST_CPU_HOG=1 (`.ci/test`); see tests/cpu_hog.py."""
+def _cpu_hog() -> Iterator[int]:
+    """A CPU load beside the test (cpu_hog) or a module's shared runs (cpu_hog_module) when
+    VLASLURM_TEST_CPU_HOG=1 (`.ci/test`); see tests/cpu_hog.py."""
     from cpu_hog import cpu_hog as hog
 
     with hog() as count:
         yield count
 
 
-@pytest.fixture(scope="module")
-def cpu_hog_module() -> Iterator[int]:
-    """`cpu_hog` for a module's shared runs."""
-    from cpu_hog import cpu_hog as hog
-
-    with hog() as count:
-        yield count
+cpu_hog = pytest.fixture(_cpu_hog, name="cpu_hog")
+cpu_hog_module = pytest.fixture(_cpu_hog, scope="module", name="cpu_hog_module")
 
 
 @pytest.fixture(scope="session")

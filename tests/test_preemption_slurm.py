@@ -102,19 +102,22 @@ def components(job_id: str) -> Dict[str, str]:
     return dict(line.split() for line in out.splitlines() if len(line.split()) == 2)
 
 
-def restart_now(job_id: str, run_dir: Path, limit: Optional[str] = None) -> None:
+def restart_now(job_id: str, run_dir: Path, limit: Optional[str] = None) -> Path:
     """Once the requeued job is pending again: start it now instead of at the begin time Slurm gives a requeued
     job (~90 s here), as an operator might, and optionally give it a longer time limit. An update sent while the
-    job is still completing does not stick, hence the wait for PD (or for the restart, if Slurm was quicker)."""
+    job is still completing does not stick, hence the wait for PD (or for the restart, if Slurm was quicker).
+    Returns the restart's rendezvous folder."""
     restarted = run_dir / "rendezvous" / f"{job_id}-r1"
     wait_until(
         lambda: restarted.is_dir() or set(components(job_id).values()) == {"PD"}, 120, "requeued job pending", job_id
     )
     if restarted.is_dir():
-        return
-    for component in components(job_id) if limit else ():
-        subprocess.run(["scontrol", "update", f"JobId={component}", f"TimeLimit={limit}"], check=False)
+        return restarted
+    if limit is not None:
+        for component in components(job_id):
+            subprocess.run(["scontrol", "update", f"JobId={component}", f"TimeLimit={limit}"], check=False)
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False)
+    return restarted
 
 
 def finished_after_restart(run_dir: Path) -> bool:
@@ -143,10 +146,9 @@ def test_scontrol_requeue_restarts_the_whole_job_from_its_checkpoint(root: Path,
     job_id, run_dir = submit(root, tmp_path, spec("requeue", versions))
     wait_until(lambda: versions_done(run_dir) >= 7, 120, "version 7", job_id)
     subprocess.run(["scontrol", "requeue", job_id], check=True)
-    restart_now(job_id, run_dir)
+    restarted = restart_now(job_id, run_dir)
     # Deadlines from observed progress: a requeued job may wait for nodes (more on a loaded machine), and once
     # it runs, each new version proves it is not stuck.
-    restarted = run_dir / "rendezvous" / f"{job_id}-r1"
     wait_until(restarted.is_dir, 300, "start after the requeue", job_id)
     wait_progressing(
         lambda: finished_after_restart(run_dir), lambda: versions_done(run_dir), 90, "finish after the restart", job_id
