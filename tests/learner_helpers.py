@@ -23,8 +23,8 @@ from vlaslurm.spec.model_types import OpenVLAOFTConfig
 CHUNK = 4
 
 
-def tiny_policy(seed: int = 0):
-    cfg = OpenVLAOFTConfig(type="openvla-oft", action_chunk=CHUNK, init_seed=seed)
+def tiny_policy(seed: int = 0, std: str = "learned"):
+    cfg = OpenVLAOFTConfig(type="openvla-oft", action_chunk=CHUNK, init_seed=seed, std=std)  # type: ignore[arg-type]
     return build_policy(cfg, action_dim=2, state_dim=2, image_size=32, num_cameras=1)
 
 

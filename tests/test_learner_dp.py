@@ -23,9 +23,15 @@ from vlaslurm.spec.trainer_types import TrainerSpec
 WORLD = 2
 
 
-def one_update(kind: str, level: str, batch, dp: DataParallel, micro: Optional[int] = None) -> dict:
+def one_update(
+    kind: str, level: str, batch, dp: DataParallel, micro: Optional[int] = None, progress: Optional[float] = None
+) -> dict:
+    """The parameters after one update; with `progress`, of a scheduled-std policy whose progress only rank 0
+    sets (as the trainer does: the learner must hand it to the other ranks)."""
     torch.set_num_threads(1)
-    policy = tiny_policy(seed=3)
+    policy = tiny_policy(seed=3, std="learned" if progress is None else "scheduled")
+    if progress is not None and dp.rank == 0:
+        policy.set_std_progress(progress)
     learner = make_learner(algo_config(kind, level), policy, dp, seed=7, trainer=TrainerSpec(micro_batch_size=micro))
     learner.update(batch, version=5)
     return {k: v.detach().clone() for k, v in policy.state_dict().items()}
@@ -40,6 +46,9 @@ CASES = [
     ("grpo", "token", 4),
 ]
 
+SCHEDULED = ["ppo", "grpo"]  # a scheduled std part-way (PROGRESS) through the run, set on rank 0 only
+PROGRESS = 0.6
+
 
 def _rank(rank: int, tmp: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD)
@@ -48,6 +57,9 @@ def _rank(rank: int, tmp: str) -> None:
         for kind, level, micro in CASES:  # one spawn for every case: starting processes is the slow part
             params = one_update(kind, level, batch, DataParallel(None, rank, WORLD), micro)
             torch.save(params, f"{tmp}/params-{kind}-{level}-{micro}-{rank}.pt")
+        for kind in SCHEDULED:
+            params = one_update(kind, "action", batch, DataParallel(None, rank, WORLD), progress=PROGRESS)
+            torch.save(params, f"{tmp}/params-{kind}-scheduled-{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -76,5 +88,15 @@ def test_two_ranks_equal_one_rank(ranked: Path, batch, kind: str, level: str, mi
     assert moved > len(single) // 2, "the update should change most parameters"
     for rank in range(WORLD):
         params = torch.load(ranked / f"params-{kind}-{level}-{micro}-{rank}.pt")
+        for name, value in single.items():
+            torch.testing.assert_close(params[name], value, rtol=1e-4, atol=2e-6, msg=f"rank {rank}: {name}")
+
+
+@pytest.mark.parametrize("kind", SCHEDULED)
+def test_every_rank_evaluates_rank_0s_scheduled_std(ranked: Path, batch, kind: str):
+    single = one_update(kind, "action", batch, DataParallel(None, 0, 1), progress=PROGRESS)
+    assert float(single["std_progress"]) == pytest.approx(PROGRESS)
+    for rank in range(WORLD):
+        params = torch.load(ranked / f"params-{kind}-scheduled-{rank}.pt")
         for name, value in single.items():
             torch.testing.assert_close(params[name], value, rtol=1e-4, atol=2e-6, msg=f"rank {rank}: {name}")

@@ -61,6 +61,14 @@ class DataParallel:
             return 0
         return 1 if size is None else math.ceil(share / size)
 
+    def sync_buffers(self, module: nn.Module) -> None:
+        """Give every rank the first rank's buffers: rank 0 alone sets run-level state such as a scheduled
+        std's progress (`set_std_progress`), and the others must evaluate the same distribution."""
+        if self.size == 1:
+            return
+        for buffer in module.buffers():
+            dist.broadcast(buffer, group=self.group, group_src=0)
+
     def sum_grads(self, params: List[nn.Parameter]) -> None:
         if self.size == 1:
             return
@@ -361,6 +369,7 @@ class PPOLearner:
         return adv.T, ret.T
 
     def update(self, batch: TrainBatch, version: int) -> Dict[str, float]:
+        self.dp.sync_buffers(self.policy)
         t = batch.tensors
         per_action = self.cfg.value_level == "action"
         values, prox = evaluate_all(
@@ -474,6 +483,7 @@ class GRPOLearner:
         return adv * weight, used, info
 
     def update(self, batch: TrainBatch, version: int) -> Dict[str, float]:
+        self.dp.sync_buffers(self.policy)
         adv, used, info = self.advantages(batch)
         if not used.any():
             return info
