@@ -102,22 +102,52 @@ def components(job_id: str) -> Dict[str, str]:
     return dict(line.split() for line in out.splitlines() if len(line.split()) == 2)
 
 
-def restart_now(job_id: str, run_dir: Path, limit: Optional[str] = None) -> Path:
+def restart_now(job_id: str, run_dir: Path, limit: Optional[str] = None, attempt: int = 1) -> Path:
     """Once the requeued job is pending again: start it now instead of at the begin time Slurm gives a requeued
     job (~90 s here), as an operator might, and optionally give it a longer time limit. An update sent while the
     job is still completing does not stick, hence the wait for PD (or for the restart, if Slurm was quicker).
-    Returns the restart's rendezvous folder."""
-    restarted = run_dir / "rendezvous" / f"{job_id}-r1"
+    Returns the rendezvous folder of restart `attempt`."""
+    restarted = run_dir / "rendezvous" / f"{job_id}-r{attempt}"
     wait_until(
         lambda: restarted.is_dir() or set(components(job_id).values()) == {"PD"}, 120, "requeued job pending", job_id
     )
     if restarted.is_dir():
         return restarted
-    if limit is not None:
-        for component in components(job_id):
-            subprocess.run(["scontrol", "update", f"JobId={component}", f"TimeLimit={limit}"], check=False)
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False)
+    updates = [f"JobId={c} TimeLimit={limit}" for c in components(job_id)] if limit is not None else []
+    for update in [*updates, f"JobId={job_id} StartTime=now"]:
+        done = subprocess.run(["scontrol", "update", *update.split()], capture_output=True, text=True)
+        print(f"scontrol update {update}: rc {done.returncode} {done.stderr.strip()}")  # shown if the test fails
     return restarted
+
+
+def requeues(run_dir: Path) -> int:
+    return sum(r["step"] == "job" and r["exit_code"] == 75 for r in exit_record(run_dir))
+
+
+def attempt_progress(run_dir: Path) -> tuple:
+    """What shows an attempt moving: versions trained, attempts ended, restarts met at the rendezvous."""
+    meetings = run_dir / "rendezvous"
+    return versions_done(run_dir), requeues(run_dir), len(list(meetings.iterdir())) if meetings.is_dir() else 0
+
+
+def wait_finished_restarting(job_id: str, run_dir: Path, limit: Optional[str] = None, stall_s: float = 120) -> None:
+    """Wait until an attempt after the first finishes. Every further requeue (a loaded machine may bring an
+    attempt to its own limit's signal, as a requeue loop does) is started at once too; the deadline is from
+    observed progress (`attempt_progress`), which must change within `stall_s`."""
+    started = 1  # the caller restarted the first requeue
+    seen, last_change = attempt_progress(run_dir), time.monotonic()
+    while not finished_after_restart(run_dir):
+        if requeues(run_dir) > started:
+            started = requeues(run_dir)
+            restart_now(job_id, run_dir, limit, attempt=started)
+            last_change = time.monotonic()
+        if (current := attempt_progress(run_dir)) != seen:
+            seen, last_change = current, time.monotonic()
+        if time.monotonic() - last_change > stall_s:
+            print(subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout)
+            subprocess.run(["scancel", job_id], check=False)
+            pytest.fail(f"job {job_id}: no finish after the restart; (versions, requeues) stuck at {seen}")
+        time.sleep(1)
 
 
 def finished_after_restart(run_dir: Path) -> bool:
@@ -163,7 +193,7 @@ def test_time_limit_signal_checkpoints_and_requeues(root: Path, tmp_path: Path) 
     # The attempt that follows has the same limit: on a loaded machine it may reach its own signal too, as it ends
     # (what a requeue loop does; not what this test checks), so it gets the time to finish, as an operator would.
     restart_now(job_id, run_dir, limit="00:10:00")
-    wait_until(lambda: finished_after_restart(run_dir), 330, "finish after the requeue", job_id)
+    wait_finished_restarting(job_id, run_dir, limit="00:10:00")
     log = (run_dir / "logs" / "trainer" / "0.log").read_text()
     assert "SIGUSR2: checkpoint v" in log
     first = [r for r in exit_record(run_dir) if r["step"] == "job" and r["restart"] == 0]
