@@ -137,3 +137,23 @@ def test_equal_samples_reads_every_run_at_the_same_env_steps():
     assert table["success_at_samples"].iloc[1] == 0.0 and table["success_at_samples"].iloc[0] > 0
     table, _ = summarize([slow, fast], samples=250)
     assert table["time_at_samples"].tolist() == [25.0, 12.5]
+
+
+def test_per_task_success_counts_only_scored_episodes_and_reads_older_ledgers():
+    from vlaslurm.tracking.stats import task_success_by_step
+
+    ledger = pd.DataFrame(
+        {
+            "task": ["a", "a", "a", "a"],
+            "steps": [10, 10, 10, 10],
+            "t_end": [1.0, 2.0, 3.0, 4.0],
+            "terminated": [True, True, True, False],
+            "truncated": [False, False, False, True],
+            "success": [False, True, True, False],
+            "scored": [True, False, True, True],  # the second: a quick success begun inside a sync phase
+        }
+    )
+    table = task_success_by_step(ledger, [40])
+    assert table[["success_rate", "episodes"]].values.tolist() == [[1 / 3, 3]]
+    older = task_success_by_step(ledger.drop(columns="scored"), [40])  # written before the column existed
+    assert older[["success_rate", "episodes"]].values.tolist() == [[0.5, 4]]

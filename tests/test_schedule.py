@@ -125,9 +125,19 @@ def test_async_takes_steps_per_update_used_steps_oldest_first() -> None:
     buffer = [Seg(0, 0, 0, 4, 3), Seg(1, 0, 0, 4, 2), Seg(2, 0, 0, 4, 3), Seg(3, 0, 0, 4, 3)]
     assert not s.update_ready(buffer, 5, 0, 1) and s.update_ready(buffer, 6, 0, 1)
     take = s.take(buffer, version=3)
-    assert [x.env_id for x in take.consumed] == [0, 1, 2]  # the stale one does not count towards the 6
+    assert [x.env_id for x in take.consumed] == [1, 0, 2]  # the stale one (oldest) does not count towards the 6
     assert [x.env_id for x in take.used] == [0, 2]
     assert [x.env_id for x in take.rest] == [3]
+
+
+def test_async_takes_the_oldest_version_first_whatever_the_arrival_order() -> None:
+    # A segment ships when its episode ends or its version changes, so one served early can arrive after
+    # segments served later; taken in arrival order it could pass the staleness bound and be dropped.
+    s = Async(6, max_staleness=1)
+    buffer = [Seg(0, 0, 0, 3, 5), Seg(1, 0, 0, 3, 4), Seg(2, 0, 0, 3, 5), Seg(3, 0, 0, 3, 4)]
+    take = s.take(buffer, version=5)
+    assert [x.env_id for x in take.used] == [1, 3]  # version 4 first, in arrival order
+    assert [x.env_id for x in take.rest] == [0, 2]
 
 
 def test_whole_groups_wait_for_every_episode_of_the_group() -> None:

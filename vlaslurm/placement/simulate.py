@@ -186,6 +186,8 @@ class _Gen:
     served: int = 0  # slots (env steps in whole chunks), as the hold budget counts them
     consumed: int = 0
     waiting: int = 0  # the trainer's credit for slots it holds but cannot use yet (whole groups)
+    bases: Dict[int, int] = field(default_factory=lambda: {0: 0})  # version -> used slots when it went out
+    dropped: int = 0  # slots the trainer dropped as stale
 
 
 @dataclass
@@ -237,6 +239,7 @@ class Pipeline:
         self.consumed_slots = 0  # what the generators' hold budget compares with their served slots
         self.credit = 0  # the slots last credited to that budget as waiting (whole groups)
         self.dropped_steps = 0
+        self.dropped_slots = 0
         self.phase_ends: Dict[int, int] = {}
         self.train_busy = False
         self.train_busy_s = 0.0
@@ -455,7 +458,8 @@ class Pipeline:
         self._free(index)  # awake at once: back to sleep (from now) unless it serves
 
     def held(self, g: _Gen) -> bool:
-        return self.sched.holds(g.served, g.consumed, g.waiting, len(self.gens))
+        base = g.bases.get(g.version)
+        return self.sched.holds(g.served, g.consumed if base is None else base + g.dropped, g.waiting, len(self.gens))
 
     def serve(self, index: int) -> None:
         g = self.gens[index]
@@ -514,9 +518,10 @@ class Pipeline:
         if not g.busy:
             g.idle_since = self.now
 
-    def weights(self, index: int, version: int) -> None:
+    def weights(self, index: int, version: int, base: int) -> None:
         g = self.gens[index]
         g.incoming = max(g.incoming, version)
+        g.bases[version] = base
         if not g.busy:
             g.busy = True
             g.busy_s += self.k.install_s
@@ -562,7 +567,7 @@ class Pipeline:
         """The trainer's credit to every generator's hold budget (its `ctl` message)."""
         self.credit = self._waiting_slots()
         for i in range(len(self.gens)):
-            self.at(self.now + self.k.hop_s, self._consumed, i, self.consumed_slots, self.credit)
+            self.at(self.now + self.k.hop_s, self._consumed, i, self.consumed_slots, self.credit, self.dropped_slots)
 
     def update(self) -> None:
         if self.train_busy or not self._ready():
@@ -575,6 +580,7 @@ class Pipeline:
             self.consumed_slots += seg.slots
             if self.sched.stale(self.version, seg.version):
                 self.dropped_steps += seg.steps
+                self.dropped_slots += seg.slots
             else:
                 used += seg.steps
                 self.lags.append(self.version - seg.version)
@@ -591,9 +597,10 @@ class Pipeline:
         self.train_busy_s += duration + self.k.publish_s
         self.at(self.now + duration, self.trained)
 
-    def _consumed(self, index: int, consumed: int, waiting: int = 0) -> None:
+    def _consumed(self, index: int, consumed: int, waiting: int = 0, dropped: int = 0) -> None:
         g = self.gens[index]
         g.consumed = max(g.consumed, consumed)
+        g.dropped = max(g.dropped, dropped)
         g.waiting = waiting  # the latest: it may go down
         if not g.busy:
             self._free(index)
@@ -606,7 +613,7 @@ class Pipeline:
     def published(self) -> None:
         self.train_busy = False
         for i in range(len(self.gens)):
-            self.weights(i, self.version)
+            self.weights(i, self.version, self.consumed_slots - self.dropped_slots)
         if self.lockstep:
             for r, rank in enumerate(self.ranks):
                 rank.phase = self.version

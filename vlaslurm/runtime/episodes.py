@@ -118,12 +118,15 @@ class EnvTrack:
         self.episode = -1
         self.step = 0
         self.obs: Optional[EnvObs] = None
+        self.scored = True
         self._reset_segment(index=0)
 
-    def start_episode(self, obs: EnvObs) -> None:
+    def start_episode(self, obs: EnvObs, scored: bool = True) -> None:
+        """`scored`: whether the episode's outcome counts in success rates (`Segment.scored`)."""
         self.episode += 1
         self.step = 0
         self.obs = obs
+        self.scored = scored
         self._reset_segment(index=0)
 
     def _reset_segment(self, index: int) -> None:
@@ -202,6 +205,7 @@ class EnvTrack:
             t_end=self.clock(),
             sim_rank=self.sim_rank,
             incarnation=self.incarnation,
+            scored=self.scored,
         )
         self._reset_segment(self.seg_index + 1)
         return seg

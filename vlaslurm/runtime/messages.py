@@ -230,6 +230,9 @@ class Segment:
     t_end: float
     sim_rank: int = 0
     incarnation: int = 0  # which process of its simulator worker (0; k after the k-th restart)
+    # Whether the episode's outcome counts in success rates: not for one begun mid-phase in a lock-step phase that
+    # starts from reset, since only the short ones end inside it (mostly quick successes; the rest are cut).
+    scored: bool = True
     meta: Dict[str, float] = field(default_factory=dict)
     token_logprob: Optional[np.ndarray] = None  # float32 [T, C, A], when every reply of the segment had one
 
@@ -274,6 +277,7 @@ _SEG_META = (
     "t_end",
     "sim_rank",
     "incarnation",
+    "scored",
 )
 
 
@@ -297,6 +301,7 @@ _SEG_META_TYPES: Dict[str, Callable[[Mapping[str, Any], str, str], Any]] = {
     "t_end": _float,
     "sim_rank": _int,
     "incarnation": _int,
+    "scored": _bool,
 }
 _SEG_OPTIONAL = {"images": 1, "state": 1, "token_logprob": 0}  # optional arrays, and their rows past T
 
@@ -373,15 +378,25 @@ def decode_sim_done(msg: Message) -> Tuple[int, int, int]:
 
 
 def ctl(
-    version: int, consumed_steps: int, stop: bool, taken: int = -1, waiting: int = 0, published: int = -1
+    version: int,
+    consumed_steps: int,
+    stop: bool,
+    taken: int = -1,
+    waiting: int = 0,
+    published: int = -1,
+    published_at: int = -1,
+    dropped_steps: int = 0,
 ) -> Message:
     """The trainer's state, published repeatedly (late subscribers miss nothing that matters).
     `taken`: the newest version whose rollout phase is over (its batch taken); -1 before the first.
     `waiting`: slots the trainer holds but cannot use yet (GRPO groups not whole), credited to the hold
     budget for now only: unlike `consumed_steps` it can go down again, so receivers must not latch it.
-    `published`: the newest version whose weights went out (`rollout.publish_every` skips some); -1: `version`."""
+    `published`: the newest version whose weights went out (`rollout.publish_every` skips some); -1: `version`.
+    `published_at`: the slots used (consumed, not dropped) when `published` went out, the base of the hold budget
+    of the generators that serve it (-1: not said); `dropped_steps`: of `consumed_steps`, the slots of stale
+    segments, which no longer count as served (a drop frees budget)."""
     meta = {"version": version, "consumed_steps": consumed_steps, "stop": stop, "taken": taken, "waiting": waiting}
-    return Message(CTL, {**meta, "published": published})
+    return Message(CTL, {**meta, "published": published, "published_at": published_at, "dropped": dropped_steps})
 
 
 @dataclass(frozen=True)
@@ -393,6 +408,10 @@ class Ctl:
     waiting: int
     published: int
     """The newest version with weights to fetch (`version` when the sender did not say)."""
+    published_at: int = -1
+    """Slots used when `published` went out (-1: not said)."""
+    dropped: int = 0
+    """Of `consumed_steps`, the slots of stale segments."""
 
 
 def decode_ctl(msg: Message) -> Ctl:
@@ -404,6 +423,8 @@ def decode_ctl(msg: Message) -> Ctl:
         _int(m, "taken", k, -1),
         _int(m, "waiting", k, 0),
         _published(m, k),
+        _int(m, "published_at", k, -1),
+        _int(m, "dropped", k, 0),
     )
 
 

@@ -165,8 +165,11 @@ class Schedule:
 
     def holds(self, served: int, consumed: int, waiting: int, generators: int) -> bool:
         """Async `hold`: a generator stops serving once its share of the slots (env steps in whole chunks)
-        served exceeds what the trainer consumed (plus the slots it holds but cannot use yet, `waiting`) by
-        `max_staleness + 1` updates."""
+        served exceeds `consumed` (plus the slots the trainer holds but cannot use yet, `waiting`) by
+        `max_staleness + 1` updates. `consumed` is the slots the trainer had used when the weights being served
+        went out, plus every slot it dropped as stale (AReaL's rule: a version serves only what the trainer will
+        use from it): each update uses at least `steps_per_update`, so updates v .. v + max_staleness use all
+        of it, oldest version first."""
         if self.lockstep or self.stale_policy != "hold":
             return False
         return served >= (consumed + waiting + (self.max_staleness + 1) * self.steps_per_update) / generators
@@ -199,8 +202,8 @@ class Schedule:
             queue = sorted(buffer, key=lambda s: (s.env_id, s.episode, s.index))
         elif self.whole_groups:
             queue, rest = complete_groups(buffer, self.group_size)
-        else:
-            queue = list(buffer)
+        else:  # a segment ships when its episode ends or its version changes: one served early may arrive late
+            queue = sorted(buffer, key=lambda s: s.version)
         out: Take[S] = Take()
         steps, i = 0, 0
         while i < len(queue) and (self.lockstep or self.whole_groups or steps < self.steps_per_update):

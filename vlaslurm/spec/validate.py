@@ -56,6 +56,7 @@ def validate(loaded: LoadedSpec) -> None:
         _check_algo,
         _check_algo_knobs,
         _check_publish_every,
+        _check_hold_budget,
         _check_reset_seeds,
         _check_resources,
         _check_mode_layout,
@@ -311,6 +312,24 @@ def _check_publish_every(loaded: LoadedSpec) -> None:
             "rollout.publish_every",
             f"is {every}: samples of a published version are {every - 1} versions old before the next one, past "
             f"rollout.max_staleness ({rollout.max_staleness}); raise max_staleness to at least {every - 1}",
+        )
+
+
+def _check_hold_budget(loaded: LoadedSpec) -> None:
+    """Async `hold` lets a version serve (max_staleness + 1) updates' slots, of which the updates until the next
+    publication take publish_every: with no update to spare, episodes' partial last chunks (slots served, env
+    steps not taken) leave the trainer short of steps_per_update env steps and the generators hold for ever.
+    GRPO's whole groups are spared: the trainer credits what it holds but cannot use (`waiting`)."""
+    rollout = loaded.spec.rollout
+    if rollout.mode != "async" or rollout.stale_policy != "hold" or getattr(loaded.spec.algo, "group_size", 1) > 1:
+        return
+    if rollout.max_staleness + 1 - rollout.publish_every < 1:
+        raise loaded.error(
+            "rollout.max_staleness",
+            f"is {rollout.max_staleness} with stale_policy hold and publish_every {rollout.publish_every}: each "
+            "version may serve only what the updates until the next publication take, and partial last chunks "
+            "of episodes would leave the trainer short of a batch while every generator holds; raise "
+            f"max_staleness to at least {rollout.publish_every}, or use stale_policy: drop",
         )
 
 

@@ -70,6 +70,13 @@ def episode_ends(ledger: pd.DataFrame) -> pd.DataFrame:
     return ledger[ledger["terminated"] | ledger["truncated"]]
 
 
+def scored_ends(ledger: pd.DataFrame) -> pd.DataFrame:
+    """The finished episodes whose outcome counts in success rates (`scored`; a ledger written before that
+    column existed counts every one): in sync mode only those begun at a phase's reset."""
+    ends = episode_ends(ledger)
+    return ends[ends["scored"].fillna(True).astype(bool)] if "scored" in ends else ends
+
+
 def task_success_by_step(ledger: pd.DataFrame, steps: Union[Sequence[int], np.ndarray]) -> pd.DataFrame:
     """Success rate per task between consecutive update steps (`steps`: the metrics' env_steps).
 
@@ -80,7 +87,7 @@ def task_success_by_step(ledger: pd.DataFrame, steps: Union[Sequence[int], np.nd
         return pd.DataFrame(columns=["task", "step", "success_rate", "episodes"])
     order = ledger.sort_values("t_end")
     received = order["steps"].cumsum()
-    ends = order[order["terminated"] | order["truncated"]]
+    ends = scored_ends(order)
     index = np.minimum(np.searchsorted(np.asarray(steps), received[ends.index].to_numpy()), len(steps) - 1)
     frame = pd.DataFrame(
         {"task": ends["task"].to_numpy(), "step": np.asarray(steps)[index], "success": ends["success"].to_numpy(float)}

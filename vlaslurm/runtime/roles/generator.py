@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -173,6 +173,8 @@ class Generator:
         self.consumed_steps = 0
         self.waiting_steps = 0  # the trainer's current credit for slots it holds but cannot use yet
         self.served_steps = 0
+        self.budget_bases: Dict[int, int] = {}  # version -> the slots the trainer had used when it went out
+        self.dropped_steps = 0  # slots the trainer dropped as stale
         self.stop = False
         self.holding_since: Optional[float] = None
         self.announced = 0  # newest version whose weights the trainer's announcements say went out
@@ -193,6 +195,7 @@ class Generator:
         self.offloader.onload(version)
         self.policy.load_state_dict(state_dict)
         self.version = version
+        self.budget_bases = {v: base for v, base in self.budget_bases.items() if v >= version}
         set_context(version=version)
         self.events.add("weights", t=self.ctx.now(), v=version)
 
@@ -205,6 +208,9 @@ class Generator:
                     self.consumed_steps = max(self.consumed_steps, ctl.consumed_steps)
                     self.waiting_steps = ctl.waiting  # the latest: it may go down
                     self.announced = max(self.announced, ctl.published)  # weights to fetch
+                    self.dropped_steps = max(self.dropped_steps, ctl.dropped)
+                    if ctl.published_at >= 0 and ctl.published >= self.version:
+                        self.budget_bases[ctl.published] = ctl.published_at
                     self.taken = max(self.taken, ctl.taken)
             else:  # the router, the poller's only other socket; it takes only `obs` (msgs.GENERATOR_INTAKE)
                 while (got := self.router.recv(0)) is not None:
@@ -244,10 +250,12 @@ class Generator:
         return self.stop
 
     def over_budget(self) -> bool:
-        """Async `hold`: rollouts may run at most max_staleness versions ahead of the trainer."""
-        return self.schedule.holds(
-            self.served_steps, self.consumed_steps, self.waiting_steps, self.ctx.info.ranks["generator"]
-        )
+        """Async `hold`: the weights served may serve only what the trainer will still use from them: their budget
+        counts from the slots it had used when they went out, plus all it dropped (never used, so no longer
+        served in effect); from its live consumed count if that was not heard."""
+        base = self.budget_bases.get(self.version)
+        base = self.consumed_steps if base is None else base + self.dropped_steps
+        return self.schedule.holds(self.served_steps, base, self.waiting_steps, self.ctx.info.ranks["generator"])
 
     def serve(self, batch: List[Pending]) -> None:
         self.offloader.onload(self.version)  # only if a phase is redone (a restarted simulator) after the offload

@@ -312,8 +312,10 @@ class Simulator:
             self.reset_seed(t.gid // self.group, t.episode + 1, mix_seed(self.seed, t.gid // self.group, t.episode + 1))
             for t in tracks
         ]
+        # A phase that starts from reset is cut at its end: of the episodes begun inside it only the short ones end.
+        scored = not self.schedule.resets_each_phase
         for track, obs in zip(tracks, split_obs(self.env.reset(locals_, seeds))):
-            track.start_episode(obs)
+            track.start_episode(obs, scored)
         return locals_
 
     def reset_seed(self, group: int, episode: int, drawn: int) -> int:

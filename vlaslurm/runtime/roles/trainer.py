@@ -94,6 +94,7 @@ class Collector:
         # What the generator's `hold` budget compares with its served steps: whole chunks (it cannot know
         # that an episode ended inside a chunk), so that the two counts never drift apart.
         self.consumed_slots = 0
+        self.dropped_slots = 0  # of the consumed slots, those of stale segments: never used
         self.buffer: Deque[msgs.Segment] = deque()
         self.buffered_steps = 0
         self.received_steps = 0
@@ -114,6 +115,7 @@ class Collector:
         self._version = 0
         self.taken = -1  # newest version whose phase is over (its batch taken): collocated generators leave the GPU
         self.published = -1  # newest version whose weights went out (rollout.publish_every may skip some)
+        self.published_at = -1  # used slots consumed when it went out: the base of the generators' hold budget
         self.offloads = OffloadReports()  # collocated: which ranks said their state left the GPU
         self.incarnations: Dict[int, int] = {}  # sim rank -> newest incarnation heard from
         self.discarded = 0  # segments of a restarted simulator's dead incarnation, thrown away
@@ -161,8 +163,24 @@ class Collector:
         self._version = version
         if force or now - self._last_ctl > 0.1:
             waiting = self.waiting_slots(version)
-            self.pub.send(msgs.ctl(version, self.consumed_slots, stop, self.taken, waiting, self.published))
+            self.pub.send(
+                msgs.ctl(
+                    version,
+                    self.consumed_slots,
+                    stop,
+                    self.taken,
+                    waiting,
+                    self.published,
+                    self.published_at,
+                    self.dropped_slots,
+                )
+            )
             self._last_ctl = now
+
+    def mark_published(self, version: int) -> None:
+        """`version`'s weights go out now: what they serve is used only by updates up to version +
+        max_staleness, which use what comes after the slots used until now (`Schedule.holds`)."""
+        self.published, self.published_at = version, self.consumed_slots - self.dropped_slots
 
     def waiting_slots(self, version: int) -> int:
         """GRPO in async mode: buffered slots that no batch can use yet, credited to the generators'
@@ -191,7 +209,7 @@ class Collector:
                 self.buffered_steps += seg.steps
                 self.received_steps += seg.steps
                 self.received_from[seg.sim_rank] = self.received_from.get(seg.sim_rank, 0) + 1
-                if seg.episode_done:
+                if seg.episode_done and seg.scored:
                     self.window.append(bool(seg.success))
                     self.failures.offer(seg)
             elif msg.kind == msgs.PHASE_END:
@@ -267,6 +285,7 @@ class Collector:
             self.ledger.add(seg, version, used=not stale, dropped=stale, t_consumed=now)
             if stale:
                 self.dropped += 1
+                self.dropped_slots += seg.length * self.cfg.model.action_chunk
                 self.counters.add("dropped_segments")
                 self.counters.add("dropped_steps", seg.steps)
         self.buffer = deque(batch.rest)
@@ -573,7 +592,7 @@ def lead(
     first = shards.full_state(keep=True) if shards is not None else None  # fsdp: the followers join this gather
     leave_device(ctx, col, offloader, version, ctx.deadlines.first_s)  # the other ranks are still starting
     publisher.publish(version, policy.state_dict() if first is None else first)
-    col.published = version
+    col.mark_published(version)
     del first
     idle = Idle(ctx, col, group, src)
     try:
@@ -755,7 +774,7 @@ def publish_version(
 ) -> None:
     """Hand `version` to the generators: `policy`'s state dict, or the full weights `gathered` from shards."""
     col.events.add("publish", t=ctx.now(), v=version)
-    col.published = version
+    col.mark_published(version)
     # Announce first: generators look for weights when announced (a broadcast waits for all of them);
     # lock-step requests for the new version wait at the generator until it is installed.
     col.announce(version, force=True)
