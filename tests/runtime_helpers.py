@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import pandas as pd
+import pytest
 import yaml
 
 from vlaslurm.rundir import read_events, read_ledger
@@ -85,14 +86,25 @@ class Run:
 
 
 def run_spec(
-    tmp_path: Path, spec: dict, overrides: Sequence[str] = (), name: str = "run", timeout_s: float = 90
+    tmp_path: Path,
+    spec: dict,
+    overrides: Sequence[str] = (),
+    name: str = "run",
+    timeout_s: float = 90,
+    preflight: bool = False,
 ) -> Run:
-    """Write `spec` under `tmp_path` and run it locally to the end."""
+    """Write `spec` under `tmp_path` and run it locally to the end. The simulators' rendering preflight (25-40 s
+    per ManiSkill or LIBERO run on two cores) runs only with `preflight`: test_preflight checks it, and one LIBERO
+    run and the experiment jobs on Slurm show that a simulator rank runs it."""
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
     run_dir = tmp_path / name
     os.environ.setdefault("VLASLURM_TRACKING", "off")  # the ranks inherit it: no MLflow in these runs
-    rc = run_local(load_spec(path, list(overrides)), tmp_path / "runs", run_dir, echo=False, timeout_s=timeout_s)
+    loaded = load_spec(path, list(overrides))
+    with pytest.MonkeyPatch.context() as patch:  # the ranks inherit it; undone for the tests that follow
+        if not preflight:
+            patch.setenv("VLASLURM_PREFLIGHT", "off")
+        rc = run_local(loaded, tmp_path / "runs", run_dir, echo=False, timeout_s=timeout_s)
     return Run(rc, run_dir)
 
 

@@ -164,7 +164,9 @@ def job_of(jobs: Dict[str, Union[Job, str]], name: str) -> Job:
 
 
 def test_maniskill_experiment_submits_and_runs(jobs: Dict[str, Union[Job, str]]) -> None:
-    ledger = check_completed(job_of(jobs, "maniskill"), "maniskill")
+    job = job_of(jobs, "maniskill")
+    ledger = check_completed(job, "maniskill")
+    assert "preflight maniskill: ok" in (job.run_dir / "logs" / "simulator" / "0.log").read_text()
     assert set(ledger["task"]) == set(spec_tasks("maniskill")) == {"PickCube-v1", "PushCube-v1"}
     assert ledger["truncated"].any(), f"no ManiSkill episode reached the {MANISKILL_EPISODE_STEPS}-step limit"
 
