@@ -105,6 +105,11 @@ def test_the_hold_budget_is_async_hold_only() -> None:
     assert not hold.holds(served=38, consumed=10, waiting=4, generators=2)  # budget (10 + 4 + 64) / 2 = 39
     assert hold.holds(served=39, consumed=10, waiting=4, generators=2)
     assert not hold.holds(served=39, consumed=10, waiting=6, generators=2)  # the trainer's credit lifts it
+    # A forward may not overshoot the budget: what one serves past it could reach the trainer too stale.
+    assert hold.hold_room(served=30, consumed=10, waiting=4, generators=2, chunk=2) == 5  # (39 - 30) / 2, up
+    assert hold.hold_room(served=39, consumed=10, waiting=4, generators=2, chunk=2) == 0
+    assert hold.batch_size([1] * 8, room=5) == 5 and hold.batch_size([1] * 8) == 8
+    assert Async(32, max_staleness=1, stale_policy="drop").hold_room(10**6, 0, 0, 1, 2) is None
     assert not Async(32, max_staleness=1, stale_policy="drop").holds(10**6, 0, 0, 1)
     assert not Sync(32, max_staleness=1, stale_policy="hold").holds(10**6, 0, 0, 1)
 

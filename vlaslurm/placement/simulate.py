@@ -457,9 +457,11 @@ class Pipeline:
             return
         self._free(index)  # awake at once: back to sleep (from now) unless it serves
 
-    def held(self, g: _Gen) -> bool:
-        base = g.bases.get(g.version)
-        return self.sched.holds(g.served, g.consumed if base is None else base + g.dropped, g.waiting, len(self.gens))
+    def room(self, g: _Gen) -> Optional[int]:
+        """Items the generator may still serve under the hold budget (as the generator role's `hold_room`)."""
+        known = [v for v in g.bases if v <= g.version]
+        base = g.bases[max(known)] + g.dropped if known else g.consumed
+        return self.sched.hold_room(g.served, base, g.waiting, len(self.gens), self.w.chunk)
 
     def serve(self, index: int) -> None:
         g = self.gens[index]
@@ -468,7 +470,8 @@ class Pipeline:
         for q in g.queue:
             if q.arrival < 0:
                 q.arrival = self.now  # received (a holding generator still takes in its requests)
-        if self.held(g):
+        room = self.room(g)
+        if room == 0:
             return
         servable = [q for q in g.queue if self.sched.servable(q.min_version, g.version)]
         if not servable:
@@ -482,7 +485,7 @@ class Pipeline:
                 g.wake_at = due
                 self.at(due, self._timer, index, due)
             return
-        count = self.sched.batch_size(sizes)
+        count = self.sched.batch_size(sizes, room)
         batch, n = servable[:count], sum(sizes[:count])
         if len(servable) == len(g.queue):
             del g.queue[: len(batch)]

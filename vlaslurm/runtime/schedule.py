@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar, Dict, Generic, Iterable, List, Protocol, Sequence, Tuple, Type, TypeVar
+from typing import ClassVar, Dict, Generic, Iterable, List, Optional, Protocol, Sequence, Tuple, Type, TypeVar
 
 from vlaslurm.spec.schema import ExperimentSpec, RolloutConfig
 
@@ -153,15 +153,24 @@ class Schedule:
         everyone = clients > 0 and senders >= clients
         return everyone or sum(sizes) >= self.max_batch or waited_s >= self.max_wait_s - TIME_EPS
 
-    def batch_size(self, sizes: Sequence[int]) -> int:
-        """How many of the servable requests (oldest first) one forward serves: up to `max_batch` items; a
-        larger single request alone."""
+    def batch_size(self, sizes: Sequence[int], room: Optional[int] = None) -> int:
+        """How many of the servable requests (oldest first) one forward serves: up to `max_batch` items, and up
+        to `room` (what the hold budget leaves: `hold_room`, in items); a larger single request alone."""
+        limit = self.max_batch if room is None else min(self.max_batch, room)
         count, items = 0, 0
         for n in sizes:
-            if count and items + n > self.max_batch:
+            if count and items + n > limit:
                 break
             count, items = count + 1, items + n
         return count
+
+    def hold_room(self, served: int, consumed: int, waiting: int, generators: int, chunk: int) -> Optional[int]:
+        """Async `hold`: how many more items (environments' chunks) a generator may serve now (`holds`' budget;
+        a forward must not overshoot it, or what it serves past the budget may be dropped). None: no budget."""
+        if self.lockstep or self.stale_policy != "hold":
+            return None
+        budget = (consumed + waiting + (self.max_staleness + 1) * self.steps_per_update) / generators
+        return max(0, math.ceil((budget - served) / chunk))
 
     def holds(self, served: int, consumed: int, waiting: int, generators: int) -> bool:
         """Async `hold`: a generator stops serving once its share of the slots (env steps in whole chunks)

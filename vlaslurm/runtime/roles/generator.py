@@ -91,10 +91,10 @@ class Batcher:
         servable = self.servable(version)
         return max(0.0, servable[0].arrived + self.schedule.max_wait_s - now) if servable else 0.05
 
-    def take(self, version: int) -> List[Pending]:
-        """Oldest first up to max_batch items (a larger single request is served alone)."""
+    def take(self, version: int, room: Optional[int] = None) -> List[Pending]:
+        """Oldest first up to max_batch items, and `room` (the hold budget's); a larger single request alone."""
         servable = self.servable(version)
-        batch = servable[: self.schedule.batch_size([len(p.request) for p in servable])]
+        batch = servable[: self.schedule.batch_size([len(p.request) for p in servable], room)]
         for p in batch:
             self.pending.remove(p)
         return batch
@@ -195,7 +195,8 @@ class Generator:
         self.offloader.onload(version)
         self.policy.load_state_dict(state_dict)
         self.version = version
-        self.budget_bases = {v: base for v, base in self.budget_bases.items() if v >= version}
+        older = [v for v in self.budget_bases if v < version]  # the newest older one stands in for an unheard base
+        self.budget_bases = {v: b for v, b in self.budget_bases.items() if v >= version or v == max(older, default=-1)}
         set_context(version=version)
         self.events.add("weights", t=self.ctx.now(), v=version)
 
@@ -209,7 +210,7 @@ class Generator:
                     self.waiting_steps = ctl.waiting  # the latest: it may go down
                     self.announced = max(self.announced, ctl.published)  # weights to fetch
                     self.dropped_steps = max(self.dropped_steps, ctl.dropped)
-                    if ctl.published_at >= 0 and ctl.published >= self.version:
+                    if ctl.published_at >= 0:
                         self.budget_bases[ctl.published] = ctl.published_at
                     self.taken = max(self.taken, ctl.taken)
             else:  # the router, the poller's only other socket; it takes only `obs` (msgs.GENERATOR_INTAKE)
@@ -249,13 +250,17 @@ class Generator:
             self.receive(0.05)
         return self.stop
 
-    def over_budget(self) -> bool:
-        """Async `hold`: the weights served may serve only what the trainer will still use from them: their budget
-        counts from the slots it had used when they went out, plus all it dropped (never used, so no longer
-        served in effect); from its live consumed count if that was not heard."""
-        base = self.budget_bases.get(self.version)
-        base = self.consumed_steps if base is None else base + self.dropped_steps
-        return self.schedule.holds(self.served_steps, base, self.waiting_steps, self.ctx.info.ranks["generator"])
+    def hold_room(self) -> Optional[int]:
+        """Async `hold`: items the weights served may still serve, since they may serve only what the trainer will
+        use from them (`Schedule.hold_room`; None: no budget). Their budget counts from the slots it had used when
+        they went out, plus all it dropped (never used, so no longer served in effect). Unheard (an announcement
+        lost, weights found by polling), an older version's base stands in: smaller, so never too generous."""
+        known = [v for v in self.budget_bases if v <= self.version]
+        base = self.budget_bases[max(known)] + self.dropped_steps if known else self.consumed_steps
+        generators = self.ctx.info.ranks["generator"]
+        return self.schedule.hold_room(
+            self.served_steps, base, self.waiting_steps, generators, self.cfg.model.action_chunk
+        )
 
     def serve(self, batch: List[Pending]) -> None:
         self.offloader.onload(self.version)  # only if a phase is redone (a restarted simulator) after the offload
@@ -296,13 +301,14 @@ class Generator:
             self.install(*got)
         elif self.taken >= self.version:
             self.offloader.offload(self.version)  # collocated: the phase is over, the trainer's update is next
-        if self.over_budget():
+        room = self.hold_room()
+        if room == 0:
             self.holding_since = self.holding_since or self.ctx.now()
             self.tell_held()
         else:
             self.end_hold()
             if self.batcher.ready(self.version, time.monotonic()):
-                self.serve(self.batcher.take(self.version))
+                self.serve(self.batcher.take(self.version, room))
         self.counters.maybe_write()
         state = "holding" if self.holding_since is not None else "serving"
         self.heartbeat.beat(self.version, f"served_steps={self.served_steps} {state}")
