@@ -1,6 +1,6 @@
 """π0 folders and specs: the full-size PI0Config's size, a tiny checkpoint saved in transformers' PI0 layout
 loading strictly through `load_pretrained` with its actions intact, the preflight, and the spec's `model.type:
-pi0` (fields checked at load, training refused until the runtime carries the paths). Wall time ~10 s."""
+pi0` (fields checked at load; runs in the runtime: test_pi0_runtime). Wall time ~10 s."""
 
 from __future__ import annotations
 
@@ -105,14 +105,6 @@ model:
 algo: {{type: ppo}}
 rollout: {{mode: sync, total_env_steps: 100}}
 """
-
-
-def test_plan_refuses_pi0_until_the_runtime_carries_its_paths(tmp_path: Path) -> None:
-    path = tmp_path / "spec.yaml"
-    path.write_text(textwrap.dedent(SPEC.format(field="denoise_steps: 4")))
-    with pytest.raises(SpecError, match="not yet carried by the runtime") as err:
-        load_spec(path)
-    assert err.value.key == "model.type" and str(err.value.location) == f"{path}:4"
 
 
 @pytest.mark.parametrize(

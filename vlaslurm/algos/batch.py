@@ -36,7 +36,32 @@ class TrainBatch:
         t = self.tensors
         images = t["images"][rows, cols] if "images" in t else None
         state = t["state"][rows, cols] if "state" in t else None
-        return PolicyInput(images, state, [self.instructions[r] for r in rows.tolist()])
+        # T rows, like the actions (the bootstrap observation at T has none: it is evaluated for its value only)
+        replay = {
+            k[len(REPLAY) :]: v[rows, cols.clamp(max=v.shape[1] - 1)] for k, v in t.items() if k.startswith(REPLAY)
+        }
+        return PolicyInput(images, state, [self.instructions[r] for r in rows.tolist()], replay=replay or None)
+
+
+REPLAY = "replay."  # the prefix of a replay tensor in TrainBatch.tensors ([N, T, ...], as the segments carried it)
+
+
+def collate_replay(segments: Sequence, T: int) -> Dict[str, Tensor]:
+    """The segments' replay tensors (`Segment.replay`, what the policy needs to evaluate the actions again: pi0's
+    denoising path), padded to T steps: every segment has them or none does (one policy made them all)."""
+    found: List[Optional[Dict[str, np.ndarray]]] = [getattr(s, "replay", None) for s in segments]
+    if all(r is None for r in found):
+        return {}
+    carried = [r for r in found if r is not None]
+    if len(carried) < len(found):
+        raise ValueError("some segments carry replay tensors and others not: one policy acts for a whole run")
+    out = {}
+    for key, first in carried[0].items():
+        padded = np.zeros((len(segments), T, *first.shape[1:]), first.dtype)
+        for i, r in enumerate(carried):
+            padded[i, : len(r[key])] = r[key]
+        out[REPLAY + key] = torch.from_numpy(padded)
+    return out
 
 
 def collate(segments: Sequence) -> TrainBatch:
@@ -76,6 +101,7 @@ def collate(segments: Sequence) -> TrainBatch:
         "success": np.asarray([s.success for s in segments], bool),
     }
     tensors = {k: torch.from_numpy(v) for k, v in arrays.items() if v is not None}
+    tensors.update(collate_replay(segments, T))
     tensors["step_valid"] = torch.arange(T)[None, :] < tensors["length"][:, None]
     return TrainBatch(tensors, [s.instruction for s in segments])
 

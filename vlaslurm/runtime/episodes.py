@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple, cast
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 
@@ -100,6 +100,13 @@ def run_chunk(
     return ChunkResult(rewards, mask, terminated, truncated, success, last)  # type: ignore[arg-type]
 
 
+def _stacked_replay(rows: List[Optional[Dict[str, np.ndarray]]]) -> Optional[Dict[str, np.ndarray]]:
+    """A segment's replay tensors [T, ...] from its decision steps' (None unless every step has them)."""
+    if not rows or any(r is None for r in rows):
+        return None
+    return {k: np.stack([cast(Dict[str, np.ndarray], r)[k] for r in rows]) for k in cast(Dict, rows[0])}
+
+
 class EnvTrack:
     """One environment instance: its episode, its current observation and its open segment."""
 
@@ -148,16 +155,18 @@ class EnvTrack:
         truncated: bool,
         success: bool,
         token_logprob: Optional[np.ndarray] = None,
+        replay: Optional[Dict[str, np.ndarray]] = None,
     ) -> List[Segment]:
         """Append one decision step; return the segments it completed (0, 1 or 2). `token_logprob` [C, A]: the
-        behaviour log-prob of each action token, from policies that give them (logprob_level: token)."""
+        behaviour log-prob of each action token, from policies that give them (logprob_level: token); `replay`:
+        what the policy needs to evaluate the actions again (ActReply.replay, this environment's row)."""
         done: List[Segment] = []
         if self.rows and version != self.version:
             done.append(self.cut())  # never mix behaviour versions in one segment
         if not self.rows:
             self.version = version
             self.t_start = self.clock()
-        self.rows.append((self.obs, actions, logprob, value, rewards, mask, self.step, version, token_logprob))
+        self.rows.append((self.obs, actions, logprob, value, rewards, mask, self.step, version, token_logprob, replay))
         self.step += int(mask.sum())
         self.obs = after
         if terminated or truncated:
@@ -198,6 +207,7 @@ class EnvTrack:
                 if all(r[8] is not None for r in self.rows)
                 else None
             ),
+            replay=_stacked_replay([r[9] for r in self.rows]),
             terminated=terminated,
             truncated=truncated,
             success=success,

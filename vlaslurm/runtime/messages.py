@@ -157,10 +157,27 @@ class ActReply:
     value: np.ndarray  # float32 [n]
     gen_rank: int = 0
     token_logprob: Optional[np.ndarray] = None  # float32 [n, C, A], from policies whose actions factorise by token
+    # What the policy needs again to evaluate these actions (PolicyOutput.replay; pi0: its denoising path), [n, ...]
+    replay: Optional[Dict[str, np.ndarray]] = None
+
+
+REPLAY = "replay."  # the prefix of a replay tensor's array name, in replies and segments
+
+
+def replay_arrays(replay: Optional[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
+    return {REPLAY + k: v for k, v in (replay or {}).items()}
+
+
+def decode_replay(msg: Message, rows: int) -> Optional[Dict[str, np.ndarray]]:
+    """The replay tensors of `msg`, each with `rows` rows (None if it has none)."""
+    names = [name for name in msg.arrays if name.startswith(REPLAY)]
+    if not names:
+        return None
+    return {name[len(REPLAY) :]: _required(msg, name, rows) for name in names}
 
 
 def encode_act(rep: ActReply) -> Message:
-    arrays = {"actions": rep.actions, "logprob": rep.logprob, "value": rep.value}
+    arrays = {"actions": rep.actions, "logprob": rep.logprob, "value": rep.value, **replay_arrays(rep.replay)}
     if rep.token_logprob is not None:
         arrays["token_logprob"] = rep.token_logprob
     return Message(
@@ -185,6 +202,7 @@ def decode_act(msg: Message) -> ActReply:
         _required(msg, "value", n),
         _int(m, "gen_rank", k),
         _array(msg, "token_logprob", n),
+        decode_replay(msg, n),
     )
 
 
@@ -235,6 +253,7 @@ class Segment:
     scored: bool = True
     meta: Dict[str, float] = field(default_factory=dict)
     token_logprob: Optional[np.ndarray] = None  # float32 [T, C, A], when every reply of the segment had one
+    replay: Optional[Dict[str, np.ndarray]] = None  # [T, ...] each: the replies' replay tensors (ActReply.replay)
 
     @property
     def steps(self) -> int:
@@ -283,6 +302,7 @@ _SEG_META = (
 
 def encode_segment(seg: Segment) -> Message:
     arrays = {k: getattr(seg, k) for k in _SEG_ARRAYS if getattr(seg, k) is not None}
+    arrays.update(replay_arrays(seg.replay))
     return Message(SEGMENT, {k: getattr(seg, k) for k in _SEG_META}, arrays)
 
 
@@ -316,7 +336,8 @@ def decode_segment(msg: Message) -> Segment:
     }
     if arrays["mask"].dtype != np.bool_:
         raise _bad(SEGMENT, f"array 'mask' has dtype {arrays['mask'].dtype}, not bool")
-    return Segment(**{k: check(msg.meta, k, SEGMENT) for k, check in _SEG_META_TYPES.items()}, **arrays)
+    meta = {k: check(msg.meta, k, SEGMENT) for k, check in _SEG_META_TYPES.items()}
+    return Segment(**meta, **arrays, replay=decode_replay(msg, steps))
 
 
 def _obs_arrays(obs: Observation) -> Dict[str, np.ndarray]:

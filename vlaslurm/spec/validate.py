@@ -201,20 +201,25 @@ def _check_model(loaded: LoadedSpec) -> None:
 
 
 def _check_pi0(loaded: LoadedSpec) -> None:
-    """The π0 sampler's fields (`flow_problem`, which the policy's FlowSettings also applies), then the refusal: the
-    runtime does not yet carry a sample's denoising path (PolicyOutput.replay) to the trainer, without which a
-    newer policy cannot recompute the sample's log-prob, so no run may start with model.type: pi0."""
+    """The π0 sampler's fields (`flow_problem`, which the policy's FlowSettings also applies), and what its
+    trainer cannot do: per-token ratios (a chunk's log-prob is its denoising path's density, one per action) and,
+    not yet, sharding (π0's PaliGemma and expert layers are not FSDP units)."""
     model = loaded.spec.model
     if not isinstance(model, PI0PolicyConfig):
         return
     problem = flow_problem(model)
     if problem is not None:
         raise loaded.error(f"model.{problem[0]}", problem[1])
-    raise loaded.error(
-        "model.type",
-        "pi0 is not yet carried by the runtime: its samples' denoising paths (PolicyOutput.replay) do not reach "
-        "the trainer yet; use pi0 from Python (vlaslurm.models.load_pretrained) until they do",
-    )
+    if loaded.spec.algo.logprob_level == "token":
+        raise loaded.error(
+            "algo.logprob_level",
+            "'token' needs a log-prob per action dimension; pi0's is its denoising path's density, one per action: "
+            "use logprob_level: action (or chunk)",
+        )
+    if loaded.spec.trainer.strategy == "fsdp":
+        raise loaded.error(
+            "trainer.strategy", "fsdp is not built for pi0 yet (its layers are not FSDP units): use replicate"
+        )
 
 
 def _check_lora(loaded: LoadedSpec, model: VLAConfig) -> None:

@@ -119,6 +119,7 @@ def replies(
     logprob: np.ndarray,
     value: np.ndarray,
     token_logprob: Optional[np.ndarray] = None,
+    replay: Optional[Dict[str, np.ndarray]] = None,
 ) -> Iterator[Tuple[Pending, msgs.ActReply]]:
     """Each request of `batch` with its reply: its rows of one forward's outputs, in the batch's order."""
     start = 0
@@ -126,12 +127,19 @@ def replies(
         n = len(p.request)
         rows = slice(start, start + n)
         tokens = None if token_logprob is None else token_logprob[rows]
-        yield (
-            p,
-            msgs.ActReply(
-                p.request.env_ids, p.request.sub_group, version, actions[rows], logprob[rows], value[rows], rank, tokens
-            ),
+        kept = None if replay is None else {k: v[rows] for k, v in replay.items()}
+        reply = msgs.ActReply(
+            p.request.env_ids,
+            p.request.sub_group,
+            version,
+            actions[rows],
+            logprob[rows],
+            value[rows],
+            rank,
+            tokens,
+            kept,
         )
+        yield p, reply
         start += n
 
 
@@ -270,6 +278,7 @@ class Generator:
             out = self.policy.act(to_policy_input(requests, self.ctx.device))
         actions, logprob, value = (x.float().cpu().numpy() for x in (out.actions, out.logprob, out.value))
         tokens = None if out.token_logprob is None else out.token_logprob.float().cpu().numpy()
+        replay = None if out.replay is None else {k: v.cpu().numpy() for k, v in out.replay.items()}
         t1 = self.ctx.now()
         items = [[e, ep, st] for r in requests for e, ep, st in zip(r.env_ids, r.episodes, r.steps)]
         self.events.add(
@@ -282,7 +291,7 @@ class Generator:
             g=sorted({r.sub_group for r in requests}),
             items=items,
         )
-        for p, reply in replies(batch, self.version, self.ctx.rank, actions, logprob, value, tokens):
+        for p, reply in replies(batch, self.version, self.ctx.rank, actions, logprob, value, tokens, replay):
             self.reply(p.peer, msgs.encode_act(reply))
             self.counters.sample("request_latency_s", time.monotonic() - p.arrived)
         self.served_steps += len(items) * self.cfg.model.action_chunk

@@ -367,6 +367,7 @@ class Simulator:
                 bool(result.truncated[row_res]),
                 bool(result.success[row_res]),
                 None if reply.token_logprob is None else reply.token_logprob[row],
+                None if reply.replay is None else {k: v[row] for k, v in reply.replay.items()},
             )
             if result.terminated[row_res] or result.truncated[row_res]:
                 finished.append(i)
