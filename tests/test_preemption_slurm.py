@@ -102,6 +102,12 @@ def components(job_id: str) -> Dict[str, str]:
     return dict(line.split() for line in out.splitlines() if len(line.split()) == 2)
 
 
+def completing_nodes() -> list:
+    """Nodes of the local cluster still cleaning up after a job (state COMPLETING)."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if "completing" in line.lower()]
+
+
 def restart_now(job_id: str, run_dir: Path, limit: Optional[str] = None, attempt: int = 1) -> Path:
     """Once the requeued job is pending again: start it now instead of at the begin time Slurm gives a requeued
     job (~90 s here), as an operator might, and optionally give it a longer time limit. An update sent while the
@@ -113,6 +119,9 @@ def restart_now(job_id: str, run_dir: Path, limit: Optional[str] = None, attempt
     )
     if restarted.is_dir():
         return restarted
+    # Slurm gives a requeued job a begin time so that it does not start on nodes still cleaning up its last run;
+    # started at once before that, its components failed at launch (exit 1, run time 0; seen in a full suite).
+    wait_until(lambda: not completing_nodes(), 120, "the nodes' clean-up after the requeue", job_id)
     updates = [f"JobId={c} TimeLimit={limit}" for c in components(job_id)] if limit is not None else []
     for update in [*updates, f"JobId={job_id} StartTime=now"]:
         done = subprocess.run(["scontrol", "update", *update.split()], capture_output=True, text=True)
