@@ -459,8 +459,7 @@ class Pipeline:
 
     def room(self, g: _Gen) -> Optional[int]:
         """Items the generator may still serve under the hold budget (as the generator role's `hold_room`)."""
-        known = [v for v in g.bases if v <= g.version]
-        base = g.bases[max(known)] + g.dropped if known else g.consumed
+        base = self.sched.hold_base(g.bases, g.version, g.dropped, g.consumed)
         return self.sched.hold_room(g.served, base, g.waiting, len(self.gens), self.w.chunk)
 
     def serve(self, index: int) -> None:

@@ -169,8 +169,19 @@ class Schedule:
         a forward must not overshoot it, or what it serves past the budget may be dropped). None: no budget."""
         if self.lockstep or self.stale_policy != "hold":
             return None
-        budget = (consumed + waiting + (self.max_staleness + 1) * self.steps_per_update) / generators
-        return max(0, math.ceil((budget - served) / chunk))
+        return max(0, math.ceil((self._hold_budget(consumed, waiting, generators) - served) / chunk))
+
+    def _hold_budget(self, consumed: int, waiting: int, generators: int) -> float:
+        return (consumed + waiting + (self.max_staleness + 1) * self.steps_per_update) / generators
+
+    @staticmethod
+    def hold_base(bases: Dict[int, int], version: int, dropped: int, live_consumed: int) -> int:
+        """The `consumed` of the hold budget for weights `version`: the slots the trainer had used when they went
+        out (`bases`, heard per version) plus all it dropped since (never used, so no longer served in effect).
+        Unheard (an announcement lost, weights found by polling), an older version's base stands in: smaller, so
+        never too generous; with none heard, the trainer's live consumed count."""
+        known = [v for v in bases if v <= version]
+        return bases[max(known)] + dropped if known else live_consumed
 
     def holds(self, served: int, consumed: int, waiting: int, generators: int) -> bool:
         """Async `hold`: a generator stops serving once its share of the slots (env steps in whole chunks)
@@ -181,7 +192,7 @@ class Schedule:
         of it, oldest version first."""
         if self.lockstep or self.stale_policy != "hold":
             return False
-        return served >= (consumed + waiting + (self.max_staleness + 1) * self.steps_per_update) / generators
+        return served >= self._hold_budget(consumed, waiting, generators)
 
     # ---------------------------------------------------------------- trainer
     def stale(self, version: int, behaviour: int) -> bool:

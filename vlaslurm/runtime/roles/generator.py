@@ -203,8 +203,8 @@ class Generator:
         self.offloader.onload(version)
         self.policy.load_state_dict(state_dict)
         self.version = version
-        older = [v for v in self.budget_bases if v < version]  # the newest older one stands in for an unheard base
-        self.budget_bases = {v: b for v, b in self.budget_bases.items() if v >= version or v == max(older, default=-1)}
+        newest_older = max((v for v in self.budget_bases if v < version), default=-1)  # stands in for an unheard base
+        self.budget_bases = {v: b for v, b in self.budget_bases.items() if v >= newest_older}
         set_context(version=version)
         self.events.add("weights", t=self.ctx.now(), v=version)
 
@@ -260,11 +260,8 @@ class Generator:
 
     def hold_room(self) -> Optional[int]:
         """Async `hold`: items the weights served may still serve, since they may serve only what the trainer will
-        use from them (`Schedule.hold_room`; None: no budget). Their budget counts from the slots it had used when
-        they went out, plus all it dropped (never used, so no longer served in effect). Unheard (an announcement
-        lost, weights found by polling), an older version's base stands in: smaller, so never too generous."""
-        known = [v for v in self.budget_bases if v <= self.version]
-        base = self.budget_bases[max(known)] + self.dropped_steps if known else self.consumed_steps
+        use from them (`Schedule.hold_room` from `Schedule.hold_base`; None: no budget)."""
+        base = self.schedule.hold_base(self.budget_bases, self.version, self.dropped_steps, self.consumed_steps)
         generators = self.ctx.info.ranks["generator"]
         return self.schedule.hold_room(
             self.served_steps, base, self.waiting_steps, generators, self.cfg.model.action_chunk
