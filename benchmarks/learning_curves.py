@@ -63,6 +63,8 @@ def run_one(algo: str, mode: str, seed: int, steps: int, root: Path) -> dict:
     t0 = time.monotonic()
     rc = run_local(load_spec(spec_path), root / "runs", run_dir, echo=False, timeout_s=3600)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    counters_path = run_dir / "counters" / "trainer-0.json"
+    counters = json.loads(counters_path.read_text()) if counters_path.exists() else {}
     curve = [
         {
             "env_steps": r["env_steps"],
@@ -82,6 +84,18 @@ def run_one(algo: str, mode: str, seed: int, steps: int, root: Path) -> dict:
         "load_end": round(os.getloadavg()[0], 1),
         "curve": curve,
         **milestones(curve),
+        **sample_use(rows, counters),
+    }
+
+
+def sample_use(rows: List[dict], counters: dict) -> dict:
+    """What the trainer did with the env steps it received: the fraction dropped as stale and the mean lag."""
+    received = rows[-1]["env_steps"] if rows else 0
+    dropped = counters.get("dropped_steps", 0.0)
+    lags = [r["staleness/mean"] for r in rows if "staleness/mean" in r]
+    return {
+        "dropped_fraction": round(dropped / received, 4) if received else None,
+        "mean_lag": round(float(np.mean(lags)), 3) if lags else None,
     }
 
 
@@ -106,6 +120,10 @@ def _fmt(values: List[Optional[float]], unit: str) -> str:
         return "not reached"
     text = f"{np.mean(got):,.0f}{unit} ({min(got):,.0f}-{max(got):,.0f})"
     return text + ("" if len(got) == len(values) else f", {len(got)}/{len(values)} seeds")
+
+
+def _pct(fraction: Optional[float]) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.2f}%"
 
 
 def report(results: List[dict], out: Path, meta: dict) -> None:
@@ -139,19 +157,56 @@ def report(results: List[dict], out: Path, meta: dict) -> None:
     lines += [
         "",
         "Runs (wall seconds from the trainer's start, without process start-up; load average at start "
-        "and end; another engineer's jobs shared the cores):",
+        "and end; env steps dropped: received by the trainer but refused as stale; mean lag: versions between the "
+        "sampling policy and the update, over the run):",
         "",
-        "| algo | mode | seed | env steps | wall s | load | final success |",
-        "|---|---|---|---|---|---|---|",
+        "| algo | mode | seed | env steps | wall s | load | final success | env steps dropped | mean lag |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(results, key=lambda r: (r["algo"], r["mode"], r["seed"])):
         last = r["curve"][-1] if r["curve"] else {"env_steps": 0, "wall_s": 0}
         lines.append(
             f"| {r['algo']} | {r['mode']} | {r['seed']} | {last['env_steps']:,} | {last['wall_s']:.0f} | "
-            f"{r['load_start']}-{r['load_end']} | {r['final_success']} |"
+            f"{r['load_start']}-{r['load_end']} | {r['final_success']} | {_pct(r.get('dropped_fraction'))} | "
+            f"{r.get('mean_lag', '-')} |"
         )
+    lines += ["", *parity_lines(results)]
     (out / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     plot(results, out / f"{NAME}.png")
+
+
+def parity_lines(results: List[dict]) -> List[str]:
+    """Issue 17's targets, async against sync per algo: final success within 0.03, steps to 80% within 10%,
+    every async seed at 80%; and the throughput ratio (env steps per wall second) beside them."""
+    lines = ["Parity targets (async against sync at equal env steps) and throughput:", ""]
+    for algo in ALGOS:
+        sync = [r for r in results if r["algo"] == algo and r["mode"] == "sync"]
+        asyn = [r for r in results if r["algo"] == algo and r["mode"] == "async"]
+        if not sync or not asyn:
+            continue
+        final_gap = np.mean([r["final_success"] for r in asyn]) - np.mean([r["final_success"] for r in sync])
+        reached = [r for r in asyn if r["to_80"]]
+        sync_80 = [r["to_80"]["env_steps"] for r in sync if r["to_80"]]
+        steps_ratio = (
+            np.mean([r["to_80"]["env_steps"] for r in reached]) / np.mean(sync_80) if reached and sync_80 else None
+        )
+        sps = {
+            m: np.mean([r["curve"][-1]["env_steps"] / r["curve"][-1]["wall_s"] for r in rs])
+            for m, rs in (("sync", sync), ("async", asyn))
+        }
+        checks = [
+            f"final success async - sync = {final_gap:+.3f} ({'met' if final_gap >= -0.03 else 'not met'}, target >= -0.03)",
+            "env steps to 80% async / sync = "
+            + (
+                f"{steps_ratio:.2f} ({'met' if steps_ratio <= 1.10 else 'not met'}, target <= 1.10)"
+                if steps_ratio
+                else "n/a"
+            ),
+            f"async seeds at 80%: {len(reached)}/{len(asyn)} ({'met' if len(reached) == len(asyn) else 'not met'})",
+            f"throughput async / sync = {sps['async'] / sps['sync']:.2f} ({sps['async']:.0f} vs {sps['sync']:.0f} env steps/s)",
+        ]
+        lines += [f"- **{algo}**: " + "; ".join(checks)]
+    return lines
 
 
 def plot(results: List[dict], path: Path) -> None:
