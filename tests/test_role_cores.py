@@ -203,7 +203,8 @@ def test_collector_discards_what_a_restarted_simulator_s_dead_process_shipped(tm
 
 
 def test_collector_credits_the_hold_budget_while_grpo_groups_are_not_whole(tmp_path) -> None:
-    rollout = RolloutConfig(mode="async", stale_policy="hold", batching=BatchingConfig(8, 5.0))
+    # max_staleness 1: group 1 (env 2 ended, env 3 on) stays usable next update, so nothing waits for it
+    rollout = RolloutConfig(mode="async", max_staleness=1, stale_policy="hold", batching=BatchingConfig(8, 5.0))
     col = collector(tmp_path, rollout, GRPOConfig(type="grpo", group_size=2, steps_per_update=2), chunk=2)
     deliver(
         col,

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from test_role_cores import collector, segment
+from test_role_cores import collector, deliver, segment
 
 from vlaslurm.envs.base import Observation
 from vlaslurm.placement.costs import Costs, Curve, Memory
@@ -16,7 +16,7 @@ from vlaslurm.placement.simulate import Candidate, Pipeline, Workload, _Env, _Re
 from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime.roles.generator import Batcher, Pending
 from vlaslurm.runtime.roles.trainer import Collector
-from vlaslurm.runtime.schedule import Async, Pipelined, Schedule, Sync, complete_groups
+from vlaslurm.runtime.schedule import GROUP_WAIT_S, Async, Pipelined, Schedule, Sync, complete_groups
 from vlaslurm.spec.algo_types import GRPOConfig, PPOConfig
 from vlaslurm.spec.schema import BatchingConfig, RolloutConfig
 
@@ -166,6 +166,45 @@ def test_whole_groups_wait_for_every_episode_of_the_group() -> None:
     # The simulator's side: finished members start again only with their whole group.
     assert s.released({0, 3}) == [] and s.released({0, 1, 3}) == [0, 1]
     assert Async(4).released({3, 0}) == [0, 3]
+
+
+def test_a_full_batch_waits_for_groups_in_play_that_would_go_stale_next_update() -> None:
+    s = Async(4, max_staleness=1, group_size=2)
+    whole = [Seg(0, 0, 0, 3, 1, True), Seg(1, 0, 0, 3, 1, True)]  # group 0: a full batch at version 1
+    # Group 1's episode began under version 0 (its first segment, cut at the version change) and runs on.
+    in_play = [Seg(2, 0, 0, 2, 0), Seg(3, 0, 0, 2, 0), Seg(3, 0, 1, 1, 1, True)]
+    buffer = whole + in_play
+    assert s.update_ready(buffer, 11, 0, 1)
+    # Usable by the update of version 1, dropped by that of version 2: wait for the group, within GROUP_WAIT_S.
+    assert s.awaits_groups(buffer, version=1, held_s=0.0)
+    assert not s.awaits_groups(buffer, version=1, held_s=GROUP_WAIT_S)  # a member may be lost: go on
+    assert not s.awaits_groups(buffer, version=0, held_s=0.0)  # still usable by the next update
+    assert not s.awaits_groups(buffer, version=2, held_s=0.0)  # already past the bound: no wait mends it
+    assert not s.awaits_groups(whole, version=1, held_s=0.0)  # nothing in play
+    assert not Async(4, max_staleness=1).awaits_groups(buffer, version=1, held_s=0.0)  # PPO: no groups
+    done = buffer + [Seg(2, 0, 1, 1, 1, True)]  # the group ends: whole, used at version 1
+    take = s.take(done, version=1)
+    assert len(take.used) == len(done) and not take.rest
+
+
+def test_the_trainer_role_waits_for_a_group_in_play_then_takes_it_whole(tmp_path, monkeypatch) -> None:
+    grpo = GRPOConfig(type="grpo", steps_per_update=4, group_size=2)
+    col = collector(tmp_path, rollout("async", staleness=1), grpo)
+    for seg in [segment(0, 0, 0, 3, 1, True), segment(1, 0, 0, 3, 1, True), segment(2, 0, 0, 2, 0, False)]:
+        deliver(col, msgs.encode_segment(seg))
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr("vlaslurm.runtime.roles.trainer.time.monotonic", lambda: clock.now)
+    assert not col.ready(1)  # a full batch, but group 1 began under version 0
+    assert col.waiting_slots(1) > 0  # and while it waits the generators may serve the group's rest
+    deliver(col, msgs.encode_segment(segment(3, 0, 0, 4, 1, True)), msgs.encode_segment(segment(2, 0, 1, 2, 1, True)))
+    assert col.ready(1)
+    assert [s.env_id for s in col.take(1)] == [0, 1, 2, 3, 2] and col.dropped == 0
+    # A group whose member never comes (its simulator restarted) holds the trainer GROUP_WAIT_S at most.
+    for seg in [segment(0, 1, 0, 3, 2, True), segment(1, 1, 0, 3, 2, True), segment(2, 1, 0, 2, 1, False)]:
+        deliver(col, msgs.encode_segment(seg))
+    assert not col.ready(2)
+    clock.now += GROUP_WAIT_S
+    assert col.ready(2)
 
 
 # ---------------------------------------------------------------------------- one trace, two paths
@@ -359,9 +398,11 @@ def test_the_trainer_takes_alike_in_the_runtime_and_the_simulation(tmp_path, cas
             (seg, 0, 0, 0, 3, 0, False, 0),
             (seg, 2, 0, 0, 4, 0, True, 0),  # nothing whole: credit 4 + 4
             (seg, 1, 0, 0, 2, 0, True, 0),  # env 1 ended, env 0 not yet
-            (seg, 0, 0, 1, 1, 0, True, 0),  # group 0 is whole (6 steps): update 0
-            (seg, 3, 0, 0, 5, 1, True, 0),
-        ]  # group 1 whole, but env 2's segment is stale: dropped
+            (seg, 0, 0, 1, 1, 0, True, 0),  # group 0 is whole (6 steps), group 1 in play would go stale: wait
+            (seg, 3, 0, 0, 5, 0, True, 0),  # group 1 whole: update 0 takes both
+            (seg, 0, 1, 0, 2, 0, True, 0),  # a straggler of version 0, already stale: no wait for its group
+            (seg, 1, 1, 0, 3, 1, True, 0),
+        ]  # that group whole: update 1, env 0's segment dropped
     runtime, simulation = trainer_states(trace, col, p, chunk=2 if case != "sync" else 1)
     assert runtime == simulation
     assert runtime[-1][0] == {"sync": 2, "async": 3, "async-grpo": 2}[case]  # every update happened

@@ -18,7 +18,7 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple, cast
 import numpy as np
 
 from vlaslurm.placement.costs import Costs
-from vlaslurm.runtime.schedule import Pipelined, Schedule
+from vlaslurm.runtime.schedule import GROUP_WAIT_S, Pipelined, Schedule
 from vlaslurm.spec.schema import BatchingConfig, Mode, RolloutConfig, StalePolicy
 
 MAX_SEGMENT_STEPS = 64  # the simulator's segment length cap (runtime/roles/simulator.py)
@@ -242,6 +242,7 @@ class Pipeline:
         self.dropped_slots = 0
         self.phase_ends: Dict[int, int] = {}
         self.train_busy = False
+        self.full_since: Optional[float] = None  # as the trainer role's `Collector.full_since`
         self.train_busy_s = 0.0
         self.env_busy_s = 0.0
         self.env_steps = 0  # instance steps the simulators executed
@@ -549,9 +550,16 @@ class Pipeline:
         self.update()
 
     def _ready(self) -> bool:
-        return self.sched.update_ready(
+        """As the trainer role's `Collector.ready`: a full batch, and no group in play worth waiting for."""
+        if not self.sched.update_ready(
             self.buffer, self.buffered, self.phase_ends.get(self.version, 0), len(self.ranks)
-        )
+        ):
+            self.full_since = None
+            return False
+        if self.full_since is None:
+            self.full_since = self.now
+            self.at(self.now + GROUP_WAIT_S, self.update)  # the wait's end, should no segment come before it
+        return not self.sched.awaits_groups(self.buffer, self.version, self.now - self.full_since)
 
     def _waiting_slots(self) -> int:
         """Whole groups: the buffered slots no batch can use yet, credited to the hold budget while the
@@ -576,6 +584,7 @@ class Pipeline:
             return
         used = 0
         take = self.sched.take(self.buffer, self.version)
+        self.full_since = None
         for seg in take.consumed:
             self.buffered -= seg.steps
             self.consumed += seg.steps

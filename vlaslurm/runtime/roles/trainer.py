@@ -109,6 +109,7 @@ class Collector:
         self.heartbeat = Heartbeat(ctx.run_dir, "trainer", 0)
         self.failures = FailureKeeper(ctx.run_dir, cfg.tracking.failures_per_task)
         self.window: List[bool] = []  # success of episodes finished since the last report
+        self.full_since: Optional[float] = None  # when the buffer last came to hold a full batch (`ready`)
         self.started = time.monotonic()
         self.last_arrival = time.monotonic()
         self._last_ctl = 0.0
@@ -269,14 +270,21 @@ class Collector:
         self.counters.add("discarded_steps", seg.steps)
 
     def ready(self, version: int) -> bool:
-        return self.schedule.update_ready(
+        full = self.schedule.update_ready(
             self.buffer, self.buffered_steps, len(self.phase_ends.get(version, ())), self.ctx.info.ranks["simulator"]
         )
+        if not full:
+            self.full_since = None
+            return False
+        if self.full_since is None:
+            self.full_since = time.monotonic()
+        return not self.schedule.awaits_groups(self.buffer, version, time.monotonic() - self.full_since)
 
     def take(self, version: int) -> List[msgs.Segment]:
         """The next batch (`Schedule.take`); segments past the staleness bound are dropped and counted."""
         now = self.ctx.now()
         batch = self.schedule.take(self.buffer, version)
+        self.full_since = None
         for seg in batch.consumed:
             self.buffered_steps -= seg.steps
             self.consumed_steps += seg.steps
