@@ -184,7 +184,26 @@ def test_a_full_batch_waits_for_groups_in_play_that_would_go_stale_next_update()
     assert not Async(4, max_staleness=1).awaits_groups(buffer, version=1, held_s=0.0)  # PPO: no groups
     done = buffer + [Seg(2, 0, 1, 1, 1, True)]  # the group ends: whole, used at version 1
     take = s.take(done, version=1)
-    assert len(take.used) == len(done) and not take.rest
+    assert [x.env_id for x in take.used] == [2, 3, 3, 2]  # the group that would go stale, whole, fills the batch
+    assert [x.env_id for x in take.rest] == [0, 1]  # group 0 stays usable: the next update's
+
+
+def group(g: int, version: int) -> list:
+    """Group g's two ended episodes (environments 2g and 2g+1), of 2 steps each."""
+    return [Seg(2 * g, 0, 0, 2, version, True), Seg(2 * g + 1, 0, 0, 2, version, True)]
+
+
+def test_whole_groups_fill_one_batch_oldest_first_and_never_leave_one_to_go_stale() -> None:
+    s = Async(4, max_staleness=1, group_size=2)
+    buffer = group(0, 3) + group(1, 2) + group(2, 3) + group(3, 1)  # 4 steps each
+    take = s.take(buffer, version=3)
+    # group 3 (version 1) is past the bound: consumed, not used; group 1 (version 2) would go stale next update;
+    # that fills the batch, so groups 0 and 2 (version 3) wait, in arrival order
+    assert [x.env_id for x in take.consumed] == [6, 7, 2, 3] and [x.env_id for x in take.used] == [2, 3]
+    assert [x.env_id for x in take.rest] == [0, 1, 4, 5]
+    take = s.take(group(0, 2) + group(1, 2) + group(2, 3), version=3)
+    assert [x.env_id for x in take.used] == [0, 1, 2, 3]  # both would go stale: both taken, past the batch
+    assert [x.env_id for x in take.rest] == [4, 5]
 
 
 def test_the_trainer_role_waits_for_a_group_in_play_then_takes_it_whole(tmp_path, monkeypatch) -> None:
@@ -195,10 +214,11 @@ def test_the_trainer_role_waits_for_a_group_in_play_then_takes_it_whole(tmp_path
     clock = SimpleNamespace(now=100.0)
     monkeypatch.setattr("vlaslurm.runtime.roles.trainer.time.monotonic", lambda: clock.now)
     assert not col.ready(1)  # a full batch, but group 1 began under version 0
-    assert col.waiting_slots(1) > 0  # and while it waits the generators may serve the group's rest
+    # while it waits, the group's slots (not the batch's) count for the hold budget: the generators may serve its rest
+    assert col.waiting_slots(1) == 2
     deliver(col, msgs.encode_segment(segment(3, 0, 0, 4, 1, True)), msgs.encode_segment(segment(2, 0, 1, 2, 1, True)))
     assert col.ready(1)
-    assert [s.env_id for s in col.take(1)] == [0, 1, 2, 3, 2] and col.dropped == 0
+    assert [s.env_id for s in col.take(1)] == [2, 3, 2] and col.dropped == 0  # the older group; group 0 waits
     # A group whose member never comes (its simulator restarted) holds the trainer GROUP_WAIT_S at most.
     for seg in [segment(0, 1, 0, 3, 2, True), segment(1, 1, 0, 3, 2, True), segment(2, 1, 0, 2, 1, False)]:
         deliver(col, msgs.encode_segment(seg))

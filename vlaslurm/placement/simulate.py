@@ -566,7 +566,7 @@ class Pipeline:
         trainer waits (as the trainer role's `Collector.waiting_slots`)."""
         if not self.sched.whole_groups or self._ready():
             return 0
-        return sum(seg.slots for seg in self.buffer)
+        return sum(seg.slots for seg in self.sched.credited(self.buffer, full=self.full_since is not None))
 
     def _recredit(self) -> None:
         """Whole groups: a trainer waiting for the rest of its groups tells the generators when its credit changed."""

@@ -192,7 +192,8 @@ class Collector:
         """
         if not self.schedule.whole_groups or self.ready(version):
             return 0
-        return sum(seg.length for seg in self.buffer) * self.cfg.model.action_chunk
+        credited = self.schedule.credited(self.buffer, full=self.full_since is not None)  # `ready` just set it
+        return sum(seg.length for seg in credited) * self.cfg.model.action_chunk
 
     def receive(self, timeout_ms: int) -> None:
         msg = self.pull.recv(timeout_ms)
