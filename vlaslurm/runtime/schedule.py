@@ -224,11 +224,8 @@ class Schedule:
         if not self.whole_groups or held_s >= GROUP_WAIT_S:
             return False
         _, in_play = complete_groups(buffer, self.group_size)
-        oldest: Dict[tuple, int] = {}  # per group in play, its oldest behaviour version: a group is used whole
-        for seg in in_play:
-            key = (seg.env_id // self.group_size, seg.episode)
-            oldest[key] = min(oldest.get(key, seg.version), seg.version)
-        return any(self.stale(version + 1, v) and not self.stale(version, v) for v in oldest.values())
+        oldest = [min(s.version for s in members) for members in by_group(in_play, self.group_size)]
+        return any(self.stale(version + 1, v) and not self.stale(version, v) for v in oldest)
 
     def credited(self, buffer: Sequence[S], full: bool) -> List[S]:
         """Whole groups, the trainer waiting: the buffered segments whose slots count as consumed for the
@@ -241,13 +238,11 @@ class Schedule:
         """Of the complete groups (oldest behaviour version first): those the next update may not use, then the
         others until `steps_per_update` env steps are used; the rest wait for the next update. Taking every
         complete group instead made async GRPO's batches about twice as large, with half the updates."""
-        groups: Dict[tuple, List[S]] = {}
-        for seg in whole:
-            groups.setdefault((seg.env_id // self.group_size, seg.episode), []).append(seg)
         batch: List[S] = []
         held: List[S] = []
         steps = 0
-        for members in sorted(groups.values(), key=lambda g: min(s.version for s in g)):  # stable: arrival order
+        groups = by_group(whole, self.group_size)
+        for members in sorted(groups, key=lambda g: min(s.version for s in g)):  # stable: arrival order
             oldest = min(s.version for s in members)
             if self.stale(version + 1, oldest) or steps < self.steps_per_update:
                 batch += members
@@ -309,6 +304,19 @@ class Async(Schedule):
 _KINDS: Dict[str, Type[Schedule]] = {cls.mode: cls for cls in (Sync, Pipelined, Async)}
 
 
+def group_key(seg: SegmentFacts, group_size: int) -> Tuple[int, int]:
+    """A GRPO group: the episodes with one episode number of environments env_id // group_size."""
+    return seg.env_id // group_size, seg.episode
+
+
+def by_group(segments: Sequence[S], group_size: int) -> List[List[S]]:
+    """The segments of each group, groups in the order of their first segment."""
+    groups: Dict[Tuple[int, int], List[S]] = {}
+    for seg in segments:
+        groups.setdefault(group_key(seg, group_size), []).append(seg)
+    return list(groups.values())
+
+
 def complete_groups(segments: Sequence[S], group_size: int) -> Tuple[List[S], List[S]]:
     """Split segments into those whose whole group has ended and the rest, each in the given order.
 
@@ -330,5 +338,5 @@ def complete_groups(segments: Sequence[S], group_size: int) -> Tuple[List[S], Li
     whole: List[S] = []
     rest: List[S] = []
     for seg in segments:
-        (whole if ended.get((seg.env_id // group_size, seg.episode), 0) == group_size else rest).append(seg)
+        (whole if ended.get(group_key(seg, group_size), 0) == group_size else rest).append(seg)
     return whole, rest
