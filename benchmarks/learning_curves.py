@@ -46,6 +46,7 @@ NAME = "learning_curves"
 
 def run_one(algo: str, mode: str, seed: int, steps: int, root: Path) -> dict:
     """One run to `steps` env steps; its curve (env steps, wall s, success) from metrics.jsonl."""
+    from vlaslurm.rundir import RunDir
     from vlaslurm.runtime.local import run_local
     from vlaslurm.spec import load_spec
 
@@ -62,8 +63,9 @@ def run_one(algo: str, mode: str, seed: int, steps: int, root: Path) -> dict:
     load0 = os.getloadavg()[0]
     t0 = time.monotonic()
     rc = run_local(load_spec(spec_path), root / "runs", run_dir, echo=False, timeout_s=3600)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    counters_path = run_dir / "counters" / "trainer-0.json"
+    layout = RunDir(run_dir)  # the run directory's own names, not spelled here
+    rows = [json.loads(line) for line in layout.metrics.read_text().splitlines() if line.strip()]
+    counters_path = layout.counter("trainer", 0)
     counters = json.loads(counters_path.read_text()) if counters_path.exists() else {}
     curve = [
         {
