@@ -114,6 +114,8 @@ def _rank(rank: int, tmp: str) -> None:
         for world, group in groups.items():
             if rank < world:
                 _run_cases(rank, world, group, batch, Path(tmp) / f"world{world}")
+        if rank < 3:
+            _run_tiny(rank, groups[3], tmp)
         if rank < 2:
             _run_bf16(rank, groups[2], tmp)
         dist.barrier()  # the other ranks wait for the bf16 cases before the group goes
@@ -139,6 +141,16 @@ def _run_cases(rank: int, world: int, group: dist.ProcessGroup, batch, out: Path
         torch.save(
             {"params": local_numel(policy), "optim": _optim_numel(learner.opt)}, out / f"sizes-{case.name}-{rank}.pt"
         )
+
+
+def _run_tiny(rank: int, group: dist.ProcessGroup, tmp: str) -> None:
+    """PPO on a batch of one decision step, fewer rows than the 3 ranks (an async batch can be that small)."""
+    policy = shard_policy(tiny_policy(seed=3), group)
+    learner = make_learner(_algo("ppo", "action"), policy, ShardedDataParallel(group, rank, 3), 7, TrainerSpec())
+    learner.update(torch.load(f"{tmp}/batch-tiny.pt", weights_only=False), version=5)
+    full = full_state_dict(policy)
+    if rank == 0:
+        torch.save(full, Path(tmp) / "params-tiny.pt")
 
 
 def _run_bf16(rank: int, group: dist.ProcessGroup, tmp: str) -> None:
@@ -222,11 +234,29 @@ def spawned(tmp_path_factory, batch) -> Path:
     tmp = tmp_path_factory.mktemp("fsdp")
     torch.save(batch, tmp / "batch.pt")
     torch.save(batch, tmp / "batch-lookalike.pt")
+    torch.save(tiny_batch(), tmp / "batch-tiny.pt")
     write_tiny_release(tmp / "release", oft=True, action_dim=2, proprio_dim=2)
     segments = rollout_segments(release_policy(str(tmp / "release")), num_envs=8, chunks=6, group_size=4)
     torch.save(collate(segments), tmp / "batch-release.pt")
     mp.start_processes(_rank, args=(str(tmp),), nprocs=max(WORLDS), start_method="spawn", join=True)
     return tmp
+
+
+def tiny_batch():
+    return collate(rollout_segments(tiny_policy(seed=1), num_envs=1, chunks=1))
+
+
+def test_a_batch_smaller_than_the_ranks_updates_as_one_rank_does(spawned: Path) -> None:
+    """One decision step on 3 ranks: it runs whole on each with a third of the loss; its advantage, alone, is only
+    centred (a spread of one value is undefined, and the NaN would reach every parameter)."""
+    policy = tiny_policy(seed=3)
+    make_learner(_algo("ppo", "action"), policy, DataParallel(None, 0, 1), 7).update(tiny_batch(), version=5)
+    reference, sharded = policy.state_dict(), torch.load(spawned / "params-tiny.pt")
+    assert all(torch.isfinite(v).all() for v in reference.values())
+    moved = [n for n, v in tiny_policy(seed=3).state_dict().items() if not torch.equal(v, reference[n])]
+    assert moved, "the value loss of the one step moved nothing"
+    for name, value in reference.items():
+        torch.testing.assert_close(sharded[name], value, rtol=1e-4, atol=2e-6, msg=name)
 
 
 @pytest.fixture(params=sorted(WORLDS), ids=lambda w: f"world{w}")

@@ -1,7 +1,8 @@
 """trainer.strategy fsdp in the runtime: the spec's rules, the bucketed gather that publishes from shards (bit for
 bit a replicated trainer's weights in fp32, one bucket of full tensors at a time), rank 0's command, and real local
-runs: an interrupted sync run resumed from its sharded checkpoint ends where an uninterrupted one does, a bf16 run
-completes (that async PPO learns on 2 fsdp ranks: test_learning). Real torch.distributed (gloo) in spawned processes
+runs: an interrupted sync run resumed from its sharded checkpoint ends where an uninterrupted one does, an async bf16
+run completes (rank 0's command among segments that arrive in any order; that the sharded update learns as a
+replicated one does follows from test_fsdp_learner's equality). Real torch.distributed (gloo) in spawned processes
 and real runs."""
 
 from __future__ import annotations
@@ -168,11 +169,14 @@ def test_an_interrupted_fsdp_run_resumes_from_its_sharded_checkpoint_to_the_same
     assert (cut.run_dir / "final_model").is_dir()
 
 
-def test_a_bf16_fsdp_run_completes_and_saves_float32_weights(tmp_path: Path):
+def test_an_async_bf16_fsdp_run_completes_and_saves_float32_weights(tmp_path: Path):
     from safetensors.torch import load_file
 
-    run = run_spec(tmp_path, toy_ppo_spec(versions=3), [*FSDP_2, "trainer.mixed_precision=bf16"], timeout_s=180)
+    overrides = [*FSDP_2, "trainer.mixed_precision=bf16", "rollout.mode=async", "rollout.weight_sync=nccl"]
+    run = run_spec(tmp_path, toy_ppo_spec(versions=4), overrides, timeout_s=180)
     assert run.rc == 0, run.log("trainer", 0)[-3000:]
-    assert final(run.run_dir)["versions"] == 3
+    assert final(run.run_dir)["versions"] >= 2  # async: how many updates the env steps make depends on arrival
+    served = run.ledger["behavior_version"]
+    assert served.max() >= 1, "no segment was played by weights the sharded trainer gathered and published"
     saved = load_file(str(run.run_dir / "final_model" / "model.safetensors"))
     assert {t.dtype for t in saved.values()} == {torch.float32}  # gathered from the float32 master shards

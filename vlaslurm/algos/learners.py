@@ -61,6 +61,10 @@ class DataParallel:
             return 0
         return 1 if size is None else math.ceil(share / size)
 
+    def loss_share(self, total: int) -> float:
+        """The factor on this rank's loss of a minibatch of `total` rows (its gradients are summed over ranks)."""
+        return 1.0
+
     def sync_buffers(self, module: nn.Module) -> None:
         """Give every rank the first rank's buffers: rank 0 alone sets run-level state such as a scheduled
         std's progress (`set_std_progress`), and the others must evaluate the same distribution."""
@@ -198,12 +202,14 @@ class PolicyStep:
             _entropy_units(t, rows, cols, self.cfg.entropy_level),
         )
         count = self.dp.micro_batches(len(rows), self.trainer.micro_batch_size)
+        share = self.dp.loss_share(len(rows))
         rows, cols = self.dp.shard(rows), self.dp.shard(cols)
         self.opt.zero_grad(set_to_none=True)
         parts: List[Tuple[float, float, Dict[str, Tensor]]] = []
         for micro in torch.arange(len(rows)).tensor_split(count) if count else ():
             loss, weights, part = self._loss(batch, rows[micro], cols[micro], adv, prox, counts, extra, ref)
-            loss.backward()  # gradients accumulate: each micro-batch's loss is its share of the minibatch mean
+            # gradients accumulate: each micro-batch's loss is its share of the minibatch mean
+            (loss * share).backward()
             parts.append((*weights, part))
         self.dp.sum_grads(self.params)
         nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
@@ -316,6 +322,15 @@ def ratios_per_step(t: Dict[str, Tensor], level: str) -> Tensor:
     return executed * t["actions"].shape[-1] if level == "token" else executed
 
 
+def normalised(adv: Tensor, scored: Tensor) -> Tensor:
+    """Advantages centred and scaled over the scored entries; one entry (a tiny async batch) is only centred,
+    since its spread is undefined (a NaN here would reach every parameter)."""
+    values = adv[scored]
+    if len(values) < 2:
+        return adv - values.mean() if len(values) else adv
+    return (adv - values.mean()) / (values.std() + 1e-8)
+
+
 def _minibatches(n: int, count: int, gen: torch.Generator) -> List[Tensor]:
     return [mb for mb in torch.randperm(n, generator=gen).chunk(count) if len(mb)]
 
@@ -378,7 +393,7 @@ class PPOLearner:
         adv, ret = self.advantages(batch, values)
         valid = t["step_valid"]
         scored = t["mask"] & valid[..., None] if per_action else valid  # where an advantage exists
-        adv = (adv - adv[scored].mean()) / (adv[scored].std() + 1e-8)
+        adv = normalised(adv, scored)
         rows, cols = valid.nonzero(as_tuple=True)
         gen = torch.Generator().manual_seed(self.seed * 100003 + version)
         stats: Stats = {}
