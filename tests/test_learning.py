@@ -1,5 +1,5 @@
 """The tiny openvla-oft policy learns the toy task through the real runtime (`run_local`: every role its own
-process), with a fixed seed, in sync and in async mode (async PPO on two fsdp trainer ranks):
+process), with a fixed seed, in sync and in async mode:
 
 - PPO's success rises above 0.5 (going to the nearest object while ignoring the instruction gives 31-33%);
 - GRPO's rises to at least 3x the random policy's success, measured here on the same env settings.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import List, Sequence
+from typing import Sequence
 
 import numpy as np
 import pytest
@@ -95,15 +95,13 @@ def run_toy(tmp_path: Path, algo: dict, mode: str, total_env_steps: int, overrid
     return final_success(run.run_dir)
 
 
-# Async PPO trains on 2 fsdp trainer ranks: one run shows both that async learns and that the sharded trainer's
-# wiring does (its gradients equal a replicated trainer's in test_fsdp_learner; 0.78 over the last fifth at 70k).
-FSDP_2 = ["runtime.local_ranks={simulator: 1, generator: 1, trainer: 2}", "trainer.strategy=fsdp"]
-
-
-@pytest.mark.parametrize("mode,overrides", [("sync", []), ("async", FSDP_2)], ids=["sync", "async-fsdp2"])
-def test_ppo_learns_to_use_the_instruction(tmp_path: Path, mode: str, overrides: List[str]):
-    success = run_toy(tmp_path, PPO, mode, total_env_steps=PPO_STEPS[mode], overrides=overrides)
-    assert success > 0.5, f"PPO ({mode}, {overrides}) success {success:.2f} after {PPO_STEPS[mode]} env steps"
+# One replicated trainer rank in both modes, as in the benchmark whose spread sets the budgets: a sharded trainer's
+# update equals a replicated one's (test_fsdp_learner) and an async fsdp run completes (test_fsdp_runtime), so
+# learning on 2 fsdp ranks (0.78 at 70k when this test ran it) is not run again here.
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_ppo_learns_to_use_the_instruction(tmp_path: Path, mode: str):
+    success = run_toy(tmp_path, PPO, mode, total_env_steps=PPO_STEPS[mode])
+    assert success > 0.5, f"PPO ({mode}) success {success:.2f} after {PPO_STEPS[mode]} env steps"
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
