@@ -119,9 +119,12 @@ def restart_now(job_id: str, run_dir: Path, limit: Optional[str] = None, attempt
     )
     if restarted.is_dir():
         return restarted
-    # Slurm gives a requeued job a begin time so that it does not start on nodes still cleaning up its last run;
-    # started at once before that, its components failed at launch (exit 1, run time 0; seen in a full suite).
+    # Slurm gives a requeued job a begin time (cred_expire + 1 s) because the requeue revoked the job's credential:
+    # a restart launched in the second of the revocation is refused ("Job credential revoked" in slurmctld.log,
+    # every component exit 1 with run time 0; seen in full suites). The revocation precedes the nodes' clean-up,
+    # so a start 2 s after the clean-up is safe.
     wait_until(lambda: not completing_nodes(), 120, "the nodes' clean-up after the requeue", job_id)
+    time.sleep(2)
     updates = [f"JobId={c} TimeLimit={limit}" for c in components(job_id)] if limit is not None else []
     for update in [*updates, f"JobId={job_id} StartTime=now"]:
         done = subprocess.run(["scontrol", "update", *update.split()], capture_output=True, text=True)
