@@ -172,9 +172,13 @@ def test_maniskill_experiment_submits_and_runs(jobs: Dict[str, Union[Job, str]])
 
 
 def test_libero_experiment_submits_and_runs(jobs: Dict[str, Union[Job, str]]) -> None:
-    ledger = check_completed(job_of(jobs, "libero"), "libero")
+    job = job_of(jobs, "libero")
+    ledger = check_completed(job, "libero")
     # LIBERO's tasks are suite/index: task 0 of the two suites the job keeps, each played by its group
     assert set(ledger["task"]) == {f"{suite}/0" for suite in spec_tasks("libero")[:2]}
+    # The spec's fsdp trainer (hybrid: 2 ranks here) read the release straight into its shards, each rank its rows.
+    for rank in (0, 1):
+        assert "into this rank's shards" in (job.run_dir / "logs" / "trainer" / f"{rank}.log").read_text()
 
 
 def test_robotwin_experiment_runs_against_the_standin(jobs: Dict[str, Union[Job, str]]) -> None:

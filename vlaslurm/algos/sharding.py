@@ -198,14 +198,26 @@ def local_numel(policy: nn.Module) -> int:
 
 
 def materialize_sharded(module: nn.Module, device: torch.device) -> None:
-    """Allocate a sharded module built on the meta device, keeping the buffers that were computed for real
-    (the rotary frequencies, which no checkpoint holds); its parameters are then uninitialised local shards."""
-    kept = {name: b.detach().clone() for name, b in module.named_buffers() if not b.is_meta}
+    """Allocate the tensors of a sharded module that are on the meta device (uninitialised local shards, for
+    `load_release_slices` to fill), keeping those that were made for real: the rotary frequencies, which no
+    checkpoint holds, and a policy's heads built beside a meta VLA."""
+    kept = {name: _local(t).detach().clone() for name, t in _named_tensors(module) if not _local(t).is_meta}
     module.to_empty(device=device)
     with torch.no_grad():
-        for name, buffer in module.named_buffers():
+        for name, t in _named_tensors(module):
             if name in kept:
-                buffer.copy_(kept[name])
+                _local(t).copy_(kept[name])
+
+
+def _named_tensors(module: nn.Module) -> List[tuple]:
+    return [*module.named_parameters(), *module.named_buffers()]
+
+
+def _local(t: Tensor) -> Tensor:
+    """A rank's own part of a (sharded) tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def load_release_slices(module: nn.Module, folder: str, dtype: torch.dtype, prefix: str = "") -> int:

@@ -1,6 +1,9 @@
 """The fsdp trainer's runtime (`trainer.strategy: fsdp`): the sharded policy, rank 0's command after each update,
 and the bucketed gathers that turn shards into the full weights generators need.
 
+A released checkpoint goes straight into the shards: the VLA is built on the meta device, sharded, and each rank
+reads only its own slices of the safetensors (`build_sharded_policy`), so no rank ever holds the whole model.
+
 With sharded state every publication, checkpoint and the final model is a collective, so rank 0 tells the other
 trainer ranks after each update (and after the stop) what comes next (`Command`, msgpack over the trainers' group,
 no pickling). A gather holds one bucket of full tensors beyond the shards at a time (`gather_full_state`); rank 0
@@ -17,9 +20,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from vlaslurm.algos.sharding import shard_policy
+from vlaslurm.algos.sharding import load_release_slices, materialize_sharded, shard_policy
+from vlaslurm.log import get_logger
+from vlaslurm.models import build_policy_for_shards
 from vlaslurm.runtime.weights import manifest_of, plan_buckets
+from vlaslurm.spec.model_types import ModelConfig
 from vlaslurm.spec.trainer_types import TrainerSpec
+
+log = get_logger("vlaslurm.trainer")
 
 
 @dataclass(frozen=True)
@@ -61,15 +69,32 @@ def receive_command(group, src: int) -> Command:
     return Command(publish=bool(body["publish"]), checkpoint=str(body["checkpoint"]), final=bool(body["final"]))
 
 
+def build_sharded_policy(
+    model: ModelConfig, dims: Dict[str, int], trainer: TrainerSpec, group, device: torch.device
+) -> nn.Module:
+    """The trainer's policy sharded over `group`, every rank starting from the same parameters (the caller seeds
+    torch alike on every rank). A released checkpoint's VLA is built on the meta device and each rank reads only
+    the rows of its own shards (about 1/N of the file); other policies are built whole, then sharded."""
+    policy, release = build_policy_for_shards(model, **dims)
+    if release is None:
+        return shard_trainer_policy(policy.to(device), trainer, group, device)
+    shard_trainer_policy(policy, trainer, group, device)  # FSDP moves the real heads to `device`
+    offloaded = trainer.cpu_offload and device.type != "cpu"  # FSDP's CPU offload keeps the shards in host memory
+    materialize_sharded(policy, torch.device("cpu") if offloaded else device)
+    read = load_release_slices(policy, str(release.folder), release.dtype, release.prefix)
+    log.info("read %.1f MB of %s into this rank's shards", read / 1e6, release.folder)
+    return policy
+
+
 def shard_trainer_policy(policy: nn.Module, trainer: TrainerSpec, group, device: torch.device) -> nn.Module:
-    """The trainer's policy, built as the replicated trainer builds it (`build_trainer_policy`: every rank starts
-    from the same parameters), sharded over `group` in place: each rank keeps 1/N of every parameter."""
+    """`policy`, the same on every rank, sharded over `group` in place: each rank keeps 1/N of every parameter."""
     return shard_policy(
         policy,
         group=group,
         mixed_precision=trainer.mixed_precision,
         # A CPU trainer's shards are in host memory already (and FSDP's offload pins memory: it needs an accelerator).
         cpu_offload=trainer.cpu_offload and device.type != "cpu",
+        device_type=device.type,  # a VLA left on the meta device says nothing of where its shards go
         activation_checkpointing=trainer.activation_checkpointing,
         replicas=trainer.replicas,
     )

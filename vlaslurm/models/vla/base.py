@@ -98,8 +98,11 @@ class VLAPolicy(nn.Module):
         self.vla = vla
         self.proprio_projector = proprio_projector
         hidden = cast(LlamaForCausalLM, vla.language_model).config.hidden_size
+        device = next(vla.parameters()).device
+        if device.type == "meta":  # the VLA's weights come later, into a sharded trainer's shards: real heads
+            device = torch.device("cpu")
         # float32 whatever the VLA's dtype: a bf16 value head would round returns of ~1e2 to 3 digits
-        self.value_head = nn.Linear(hidden, 1, dtype=torch.float32, device=next(vla.parameters()).device)
+        self.value_head = nn.Linear(hidden, 1, dtype=torch.float32, device=device)
         nn.init.normal_(self.value_head.weight, std=0.02)
         nn.init.zeros_(self.value_head.bias)
         self.shape = shape

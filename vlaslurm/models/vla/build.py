@@ -1,11 +1,13 @@
 """Build the RL policy of a released checkpoint (or a LoRA adapter over one) from the spec's model section.
 
 The VLA is built on the meta device and filled from the folder's shards strictly (prismatic/release.py), in the
-spec's precision; LoRA adapters go in place (prismatic/lora.py), so the release's parameter names stay.
+spec's precision; LoRA adapters go in place (prismatic/lora.py), so the release's parameter names stay. A sharded
+trainer leaves the VLA on the meta device (`ReleaseWeights`) and reads each rank's slices itself.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
@@ -39,10 +41,36 @@ from vlaslurm.spec.model_types import OpenVLAConfig, OpenVLAOFTConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 VLAConfig = Union[OpenVLAConfig, OpenVLAOFTConfig]
+VLA_PREFIX = "vla."  # of the VLA's tensors in a VLAPolicy's state dict (the attribute `vla`)
 
 
-def build_released(cfg: VLAConfig, action_dim: int, state_dim: int, image_size: int, num_cameras: int) -> VLAPolicy:
-    """The policy of `cfg.path` (a release folder, or an adapter folder over `cfg.base_path`) on the CPU."""
+@dataclass(frozen=True)
+class ReleaseWeights:
+    """Where the weights of a VLA left on the meta device are: the release folder, the prefix of the VLA's tensors
+    in the policy's state dict, and the dtype the release is loaded in (the spec's `model.precision`)."""
+
+    folder: Path
+    prefix: str
+    dtype: torch.dtype
+
+
+def deferred_release(cfg: VLAConfig) -> Optional[ReleaseWeights]:
+    """The release a sharded trainer can read slice by slice: a release folder in `model.path` without LoRA (LoRA
+    under fsdp is refused at load; an adapter folder's base is loaded whole). None otherwise."""
+    from vlaslurm.models.checkpoint import checkpoint_folders, is_released_checkpoint
+
+    if not cfg.path or not is_released_checkpoint(cfg.path) or cfg.lora is not None:
+        return None
+    folders = checkpoint_folders(cfg)
+    return None if folders.adapter is not None else ReleaseWeights(folders.release, VLA_PREFIX, DTYPES[cfg.precision])
+
+
+def build_released(
+    cfg: VLAConfig, action_dim: int, state_dim: int, image_size: int, num_cameras: int, load_vla: bool = True
+) -> VLAPolicy:
+    """The policy of `cfg.path` (a release folder, or an adapter folder over `cfg.base_path`) on the CPU. Without
+    `load_vla` the VLA stays on the meta device (its heads are real): for a trainer that shards it and then reads
+    each rank's slices (`deferred_release`)."""
     from vlaslurm.models.checkpoint import check_checkpoint, checkpoint_folders
 
     # What plan checked, now against the environment's own sizes (plan knows them only for some env types).
@@ -53,7 +81,8 @@ def build_released(cfg: VLAConfig, action_dim: int, state_dim: int, image_size: 
     config = read_release_config(release / CONFIG_FILE)
     stats = load_norm_stats(release).select(cfg.unnorm_key)
     vla = build_vla(config, device="meta", dtype=dtype)
-    load_weights(vla, release, dtype, "cpu")
+    if load_vla:
+        load_weights(vla, release, dtype, "cpu")
     _add_adapters(vla, cfg, folders.adapter)
     shape = PolicyShape(cfg.action_chunk, action_dim)
     common = dict(

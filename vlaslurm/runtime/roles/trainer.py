@@ -39,12 +39,12 @@ from vlaslurm.runtime.offload import Offloader, OffloadReporter, OffloadReports,
 from vlaslurm.runtime.schedule import Schedule
 from vlaslurm.runtime.sharded import (
     Command,
+    build_sharded_policy,
     gather_full_state,
     receive_command,
     receive_meta,
     send_command,
     send_meta,
-    shard_trainer_policy,
 )
 from vlaslurm.runtime.transport import Pub, Pull, rejection_counts
 from vlaslurm.runtime.weights import DEFAULT_BUCKET_BYTES, make_publisher
@@ -429,9 +429,13 @@ def send_keepalive(version: int, group, src: int) -> None:
     send_meta({"version": version, "stop": False, "keepalive": True, "keys": []}, group, src)
 
 
-def build_trainer_policy(cfg: TrainerConfig, ctx: RankContext) -> torch.nn.Module:
+def build_trainer_policy(cfg: TrainerConfig, ctx: RankContext, group: Optional[dist.ProcessGroup]) -> torch.nn.Module:
+    """The policy every trainer rank starts from: whole, or (fsdp) sharded over `group`."""
     torch.manual_seed(cfg.rollout.seed)  # every trainer rank starts from the same parameters
     dims = ctx.member("simulator", 0).extra
+    if cfg.trainer.strategy == "fsdp":
+        assert group is not None  # made for one trainer too
+        return build_sharded_policy(cfg.model, dims, cfg.trainer, group, ctx.device)
     return build_policy(cfg.model, **dims).to(ctx.device)
 
 
@@ -495,11 +499,10 @@ def run(ctx: RankContext, cfg: TrainerConfig) -> int:
     sharded = cfg.trainer.strategy == "fsdp"
     check_strategy(cfg, len(trainers))
     group = data_parallel_group(trainers, ctx.deadlines.first_s + ctx.deadlines.running_s, always=sharded)
-    policy = build_trainer_policy(cfg, ctx)
+    policy = build_trainer_policy(cfg, ctx, group)
     shards = None
     if sharded:
-        assert group is not None  # made for one trainer too
-        policy = shard_trainer_policy(policy, cfg.trainer, group, ctx.device)
+        assert group is not None
         shards = Shards(group, trainers[0], policy)
         dp: DataParallel = ShardedDataParallel(group, ctx.rank, len(trainers))
     else:
