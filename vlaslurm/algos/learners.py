@@ -81,6 +81,33 @@ class DataParallel:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=self.group)
 
+    def spread(self, total: int, chunk: int) -> List[Tensor]:
+        """This rank's chunks of `total` items whose results every rank needs (`gather`): the items in chunks of
+        `chunk`, chunk k on rank k mod size, so that each item is computed in the same chunk whatever the rank count
+        (a forward's rounding depends on its batch); as many chunks on every rank (with fsdp each forward is a
+        collective): a rank short of one repeats chunk 0, whose results `gather` drops."""
+        chunks = torch.arange(total).split(chunk)
+        per = math.ceil(len(chunks) / self.size)
+        mine = list(chunks[self.rank :: self.size])
+        return mine + [chunks[0]] * (per - len(mine))
+
+    def gather(self, mine: List[Tensor], total: int, chunk: int) -> Tensor:
+        """Every item's result, in item order ([total, ...]), from each rank's results of its `spread` chunks."""
+        rows = torch.cat(mine)
+        if self.size == 1:
+            return rows
+        count = math.ceil(total / chunk)
+        padded = rows.new_zeros((math.ceil(count / self.size) * chunk, *rows.shape[1:]))
+        padded[: len(rows)] = rows
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(parts, padded, group=self.group)
+        out = rows.new_empty((total, *rows.shape[1:]))
+        for rank, part in enumerate(parts):
+            for j, k in enumerate(range(rank, count, self.size)):  # only the last chunk is short, and last on its rank
+                start = k * chunk
+                out[start : start + chunk] = part[j * chunk : j * chunk + min(chunk, total - start)]
+        return out
+
 
 def behaviour_key(level: str) -> str:
     """The batch tensor holding the behaviour log-probs a ratio at `algo.logprob_level` compares with."""
@@ -101,13 +128,24 @@ def slot_values(values: Optional[Tensor]) -> Tensor:
     return _given(values, "algo.value_level 'action'", "a value per action slot", "value_level: chunk")
 
 
+# Observations evaluated per forward before an update, unless `trainer.micro_batch_size` bounds the activations.
+EVAL_CHUNK = 512
+
+
 @torch.no_grad()
 def evaluate_all(
-    policy: nn.Module, batch: TrainBatch, values: bool, chunk: int = 512, tokens: bool = False, slots: bool = False
+    policy: nn.Module,
+    batch: TrainBatch,
+    values: bool,
+    dp: Optional[DataParallel] = None,
+    chunk: int = EVAL_CHUNK,
+    tokens: bool = False,
+    slots: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """Under the current parameters: values of all T+1 observations ([N, T+1], zeros unless `values`; with
     `slots` a value per action slot, [N, T+1, C]) and the proximal log-probs of the stored actions ([N, T, C],
-    or [N, T, C, A] per token with `tokens`), the trust region's centre."""
+    or [N, T, C, A] per token with `tokens`), the trust region's centre. With several trainer ranks (`dp`) each
+    evaluates its share of the observations and every rank gets all the results."""
     t = batch.tensors
     n, T = t["step_valid"].shape
     shape = (n, T + 1, t["mask"].shape[2]) if slots else (n, T + 1)  # [N, T+1, C] with a value per action slot
@@ -119,13 +157,19 @@ def evaluate_all(
     last = T + 1 if values else T
     obs_valid = torch.arange(last, device=out_values.device)[None] <= t["length"][:, None] - (0 if values else 1)
     rows, cols = obs_valid.nonzero(as_tuple=True)
-    for start in range(0, len(rows), chunk):
-        r, c = rows[start : start + chunk], cols[start : start + chunk]
-        acting = c < t["length"][r]
+    if not len(rows):
+        return out_values, prox
+    dp = dp or DataParallel(None, 0, 1)
+    found: List[Tuple[Tensor, Tensor]] = []
+    for part in dp.spread(len(rows), chunk):
+        r, c = rows[part.to(rows.device)], cols[part.to(rows.device)]
         out = cast("Policy", policy).evaluate(batch.policy_input(r, c), t["actions"][r, c.clamp(max=T - 1)])
-        out_values[r, c] = (slot_values(out.slot_value) if slots else out.value).float()
         logprob = token_logprob(out.token_logprob) if tokens else out.logprob
-        prox[r[acting], c[acting]] = logprob.float()[acting]
+        found.append(((slot_values(out.slot_value) if slots else out.value).float(), logprob.float()))
+    if values:
+        out_values[rows, cols] = dp.gather([v for v, _ in found], len(rows), chunk)
+    acting = cols < t["length"][rows]  # the last observation of a segment only bootstraps its value
+    prox[rows[acting], cols[acting]] = dp.gather([lp for _, lp in found], len(rows), chunk)[acting]
     return out_values, prox
 
 
@@ -169,13 +213,19 @@ class PolicyStep:
         self.reference = FrozenReference(policy) if cfg.kl_coef > 0 else None
         self.opt = make_optimizer(policy, cfg.lr, self.trainer.optimizer)
 
+    @property
+    def eval_chunk(self) -> int:
+        """Observations per forward of `evaluate_all`: no more than a micro-batch's decision steps, when set."""
+        return self.trainer.micro_batch_size or EVAL_CHUNK
+
     def reference_logprobs(self, batch: TrainBatch) -> Optional[Tensor]:
         """The frozen reference's log-probs of the stored actions ([N, T, C], or [N, T, C, A] at token level);
         None without a KL penalty."""
         if self.reference is None:
             return None
         with self.reference.swapped():
-            return evaluate_all(self.policy, batch, values=False, tokens=self.cfg.logprob_level == "token")[1]
+            tokens = self.cfg.logprob_level == "token"
+            return evaluate_all(self.policy, batch, False, self.dp, self.eval_chunk, tokens=tokens)[1]
 
     def __call__(
         self,
@@ -387,9 +437,8 @@ class PPOLearner:
         self.dp.sync_buffers(self.policy)
         t = batch.tensors
         per_action = self.cfg.value_level == "action"
-        values, prox = evaluate_all(
-            self.policy, batch, values=True, tokens=self.cfg.logprob_level == "token", slots=per_action
-        )
+        tokens = self.cfg.logprob_level == "token"
+        values, prox = evaluate_all(self.policy, batch, True, self.dp, self.step.eval_chunk, tokens, per_action)
         adv, ret = self.advantages(batch, values)
         valid = t["step_valid"]
         scored = t["mask"] & valid[..., None] if per_action else valid  # where an advantage exists
@@ -504,7 +553,7 @@ class GRPOLearner:
             return info
         tokens = self.cfg.logprob_level == "token"
         prox = (
-            evaluate_all(self.policy, batch, values=False, tokens=tokens)[1]
+            evaluate_all(self.policy, batch, False, self.dp, self.step.eval_chunk, tokens)[1]
             if self.cfg.offpolicy_correction == "decoupled"
             else batch.tensors[behaviour_key(self.cfg.logprob_level)]
         )
