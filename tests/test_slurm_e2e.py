@@ -184,3 +184,9 @@ def test_cli_runs_status_logs_cancel(jobs: Dict[str, Job], runs_root: Path) -> N
     assert "CANCELLED" in vlaslurm("status", long.job_id, runs_root=runs_root).stdout
     missing = vlaslurm("status", "no-such-run", runs_root=runs_root)
     assert missing.returncode == 2 and "no run 'no-such-run'" in missing.stderr
+
+
+def test_a_job_slurm_has_forgotten_has_no_states(local_slurm) -> None:
+    """Past MinJobAge slurmctld forgets a job and `squeue -j` fails ("Invalid job id specified"), as for an id it
+    never knew: no states, not an error (an experiment test failed on it after waiting out another job)."""
+    assert job_states("987654") == {}

@@ -17,6 +17,8 @@ from vlaslurm.spec import LoadedSpec, load_spec
 from vlaslurm.spec.plan import build_plan, job_run_name
 from vlaslurm.spec.validate import check_model_path
 
+FORGOTTEN_JOB = "Invalid job id specified"  # squeue -j on a job slurmctld no longer knows (past MinJobAge)
+
 
 @dataclass
 class Submission:
@@ -132,8 +134,14 @@ def job_states(job_id: str) -> Dict[str, str]:
     """State of each component of a job that Slurm still knows ('123+0': 'RUNNING'); empty once forgotten.
 
     `-t all` keeps finished jobs (COMPLETED, FAILED, CANCELLED) for MinJobAge; plain squeue drops them at once.
+    After that `squeue -j` fails with "Invalid job id specified": forgotten, not an error.
     """
-    out = run_slurm(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%i|%T"])
+    try:
+        out = run_slurm(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%i|%T"])
+    except SlurmUnavailable as err:
+        if FORGOTTEN_JOB in str(err):
+            return {}
+        raise
     return dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
 
 
