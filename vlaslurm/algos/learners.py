@@ -162,7 +162,8 @@ def evaluate_all(
     dp = dp or DataParallel(None, 0, 1)
     found: List[Tuple[Tensor, Tensor]] = []
     for part in dp.spread(len(rows), chunk):
-        r, c = rows[part.to(rows.device)], cols[part.to(rows.device)]
+        part = part.to(rows.device)
+        r, c = rows[part], cols[part]
         out = cast("Policy", policy).evaluate(batch.policy_input(r, c), t["actions"][r, c.clamp(max=T - 1)])
         logprob = token_logprob(out.token_logprob) if tokens else out.logprob
         found.append(((slot_values(out.slot_value) if slots else out.value).float(), logprob.float()))
