@@ -61,6 +61,7 @@ def validate(loaded: LoadedSpec) -> None:
         _check_resources,
         _check_mode_layout,
         _check_slurm,
+        _check_tracking,
         _check_sharding,
     ):
         check(loaded)
@@ -95,6 +96,15 @@ def _check_name(loaded: LoadedSpec) -> None:
         raise loaded.error("name", f"must be at most {MAX_NAME} characters, got {len(loaded.spec.name)}")
     if not _NAME.fullmatch(loaded.spec.name):
         raise loaded.error("name", "may contain only letters, digits, '.', '_' and '-' (it names folders and jobs)")
+
+
+def _check_tracking(loaded: LoadedSpec) -> None:
+    # MLflow refuses an empty experiment name only when the run starts (and the run then goes untracked).
+    experiment = loaded.spec.tracking.experiment
+    if not experiment.strip() or any(not c.isprintable() for c in experiment):
+        raise loaded.error(
+            "tracking.experiment", f"must be a printable, non-blank MLflow experiment name, got {experiment!r}"
+        )
 
 
 def _check_counts(loaded: LoadedSpec) -> None:
@@ -171,7 +181,8 @@ def _check_env(loaded: LoadedSpec) -> None:
     if not env.tasks:
         raise loaded.error("env.tasks", "must name at least one task")
     if env.type == "synthetic":
-        _positive(loaded, ["env.step_ms.mean", "env.slow_factor", "env.episode_steps"], minimum=1e-9)
+        _positive(loaded, ["env.step_ms.mean", "env.slow_factor"], minimum=1e-9)
+        _positive(loaded, ["env.episode_steps"])
         step_ms = cast("SyntheticEnvConfig", env).step_ms  # the registry's class of env.type synthetic
         if step_ms.dist == "pareto" and step_ms.alpha <= 1:
             raise loaded.error("env.step_ms.alpha", "must be greater than 1 for a finite mean")
