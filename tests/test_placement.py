@@ -622,7 +622,7 @@ def test_an_old_profile_is_not_reused_and_is_refused_when_read(measured, monkeyp
     prof.profile_path(runs_root, old_key).write_text(json.dumps(old))
     assert prof.cached_profile(loaded, runs_root, local=True) == profile
     # Read directly, it is refused (no fallbacks to what older versions did not measure).
-    with pytest.raises(StaleProfile, match="is version 3, this vlaslurm reads version 6"):
+    with pytest.raises(StaleProfile, match=f"is version 3, this vlaslurm reads version {prof.PROFILE_VERSION}"):
         Profile.from_dict(old)
     assert prof.read_profile(prof.profile_path(runs_root, old_key)) is None  # a cache miss
 

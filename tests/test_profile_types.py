@@ -28,7 +28,7 @@ def fabricated():
         samples = [round(float(x), 7) for x in rng.lognormal(np.log(0.002 * n**0.5), 0.2, 30)]
         batch[str(n)] = {**summary(samples), "samples": samples, "cpu_wait_mean_s": 1e-5}
     return {
-        "version": 6,
+        "version": 7,
         "key": "0123456789abcdef",
         "spec": "fabricated",
         "gpu": "cpu",
@@ -55,6 +55,7 @@ def fabricated():
             "episode_len": [20, 24, 31, 18],
             "memory": {"base": 1.0e6, "per_env": 2.5e5},
             "run_chunk_cpu_s": 4e-6,
+            "device_s_per_env": 0.0,
         },
         "generator": {
             "forward": {
@@ -119,7 +120,7 @@ def spec_with(weight_sync: str):
 def test_a_profile_round_trips_through_json() -> None:
     data = fabricated()
     prof = Profile.from_dict(data)
-    assert prof.version == PROFILE_VERSION == 6
+    assert prof.version == PROFILE_VERSION == 7
     assert prof.simulator.batch["4"].n == 30 and prof.transport.idle_s[-1] == 0.05
     assert prof.to_dict() == data
     assert Profile.from_dict(json.loads(json.dumps(prof.to_dict()))) == prof
@@ -168,11 +169,31 @@ def test_costs_from_the_typed_profile_are_the_ones_the_dict_gave() -> None:
     assert (fs.publish_s, fs.install_s) == (0.004, 0.10300000000000001)
 
 
+def test_a_device_part_leaves_the_instances_rows_and_queues_in_the_model() -> None:
+    """A profile that measured a shared device (`device_s_per_env`, 1 ms here): each instance's row was
+    stepped alone, so it holds one instance's device part, which the costs take out (group_step adds it back
+    per instance stepped) and carry for the simulation's queue."""
+    plain = from_profile(Profile.from_dict(fabricated()), spec_with("nccl"))
+    data = fabricated()
+    data["simulator"]["device_s_per_env"] = 0.001
+    data["simulator"]["per_instance"]["samples"] = [
+        [x + 0.001 for x in row] for row in data["simulator"]["per_instance"]["samples"]
+    ]
+    costs = from_profile(Profile.from_dict(data), spec_with("nccl"))
+    assert costs.device_s_per_env == 0.001 and plain.device_s_per_env == 0.0
+    assert np.allclose(costs.step_samples, plain.step_samples, rtol=1e-5)
+    costs.step_rule = plain.step_rule = "max"
+    ids = np.arange(4)
+    with_device = [costs.group_step(np.random.default_rng(s), ids) for s in range(5)]
+    without = [plain.group_step(np.random.default_rng(s), ids) for s in range(5)]
+    assert np.allclose(np.subtract(with_device, without), 0.004)
+
+
 def test_another_version_is_refused_and_is_a_cache_miss(tmp_path: Path) -> None:
     old = fabricated()
-    old["version"] = 5
-    del old["transport"]["idle_s"]
-    with pytest.raises(StaleProfile, match=r"version 5, this vlaslurm reads version 6 .*vlaslurm profile --force"):
+    old["version"] = 6
+    del old["simulator"]["device_s_per_env"]
+    with pytest.raises(StaleProfile, match=r"version 6, this vlaslurm reads version 7 .*vlaslurm profile --force"):
         Profile.from_dict(old)
     path = tmp_path / "old.json"
     path.write_text(json.dumps(old))

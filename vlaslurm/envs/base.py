@@ -65,6 +65,9 @@ class VecEnv(Protocol):
     state_dim: int
     tasks: List[str]  # task name of each instance
     thread_safe: bool  # whether disjoint subsets may be stepped from different threads at once
+    # whether part of a step runs on one device that concurrent calls queue for (a GPU simulator stepped from
+    # threads); the placement profiler then measures that part (contention for CPU cores is not such a part)
+    shared_device: bool
 
     def reset(self, env_ids: EnvIds, seeds: Optional[Sequence[int]] = None) -> Observation:
         """Start new episodes in `env_ids` (seeded when `seeds` is given) and observe them."""

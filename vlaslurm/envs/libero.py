@@ -166,6 +166,7 @@ class LiberoVecEnv:
 
     action_dim = ACTION_DIM
     thread_safe = True
+    shared_device = False
 
     def __init__(self, cfg: LiberoEnvConfig, pairs: List[Tuple[str, int]]) -> None:
         self.cfg, self.pairs, self.num_envs = cfg, pairs, len(pairs)

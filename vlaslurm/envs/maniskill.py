@@ -188,6 +188,7 @@ class CpuManiSkillVecEnv:
     """`num_envs` CPU ManiSkill scenes, one worker process each."""
 
     thread_safe = True
+    shared_device = False
 
     def __init__(self, cfg: ManiSkillEnvConfig, tasks: List[str]) -> None:
         self.cfg, self.tasks, self.num_envs = cfg, tasks, len(tasks)
@@ -239,6 +240,7 @@ class GpuManiSkillVecEnv:
     """One `physx_cuda` ManiSkill env per task, each holding that task's instances."""
 
     thread_safe = False
+    shared_device = False
 
     def __init__(self, cfg: ManiSkillEnvConfig, tasks: List[str], backend: str = "gpu") -> None:
         import torch

@@ -221,6 +221,7 @@ class RoboTwinVecEnv:
     """`num_envs` RoboTwin instances, one process each."""
 
     thread_safe = True
+    shared_device = False
 
     def __init__(self, cfg: RoboTwinEnvConfig, root: str, tasks: List[str], first_index: int) -> None:
         self.cfg, self.tasks, self.num_envs = cfg, tasks, len(tasks)

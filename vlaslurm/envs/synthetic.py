@@ -2,13 +2,16 @@
 
 It measures the runtime's scheduling on a machine with few cores: stepping a set of instances
 sleeps for the slowest of their step times, disjoint sets step from different threads, and each
-instance makes up for the OS's late wake-ups. `VLASLURM_SYNTHETIC_HANG=GID:N` makes instance GID
-hang after N steps, for tests. Details: docs/simulators.md
+instance makes up for the OS's late wake-ups. `step_ms.per_env` adds a part proportional to the
+instances stepped that one shared device serves in turn (a GPU simulator).
+`VLASLURM_SYNTHETIC_HANG=GID:N` makes instance GID hang after N steps, for tests.
+Details: docs/simulators.md
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import List, Optional, Sequence
 
@@ -40,6 +43,8 @@ class SyntheticVecEnv:
         self._late = np.zeros(num_envs)  # seconds the last wake-up of each instance came after its deadline
         self._hang = _hang_hook(self.global_ids)
         self._steps = np.zeros(num_envs, dtype=np.int64)  # since creation (the hang hook counts them)
+        self.device = SharedDevice()
+        self.shared_device = cfg.step_ms.per_env > 0
 
     def reset(self, env_ids: EnvIds, seeds: Optional[Sequence[int]] = None) -> Observation:
         ids = np.asarray(env_ids, dtype=np.int64)
@@ -71,11 +76,14 @@ class SyntheticVecEnv:
         pass
 
     def _sleep(self, ids: np.ndarray) -> None:
-        """Sleep for the slowest instance's step time, less the lateness these instances already took
-        (the smallest of theirs: never credit an instance more than it lost)."""
+        """Sleep for the device's turn (`per_env` per instance, after the calls queued before this one),
+        then for the slowest instance's step time; less the lateness these instances already took (the
+        smallest of theirs: never credit an instance more than it lost), at most this call's own work."""
         start = time.perf_counter()
         seconds = max(self._step_seconds(i) for i in ids)
-        deadline = start + max(0.0, seconds - float(self._late[ids].min()))
+        on_device = self.cfg.step_ms.per_env * len(ids) / 1000.0
+        device_done = self.device.serve(start, on_device)
+        deadline = device_done + seconds - min(float(self._late[ids].min()), on_device + seconds)
         while (left := deadline - time.perf_counter()) > 0:
             time.sleep(left)
         self._late[ids] = time.perf_counter() - deadline
@@ -88,6 +96,24 @@ class SyntheticVecEnv:
         state[:, 0] = self._t[ids] / max(1, self.cfg.episode_steps)
         state[:, 1] = ids
         return Observation(images=None, state=state, instructions=[f"do {self.tasks[i]}" for i in ids])
+
+
+class SharedDevice:
+    """One device that serves calls in turn, first come first served. Its queue is kept as the time it is
+    next free rather than as a lock held while sleeping: a late wake-up of one caller then delays only that
+    caller, as the OS's lateness is not the modelled device's."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free_at = 0.0
+
+    def serve(self, now: float, seconds: float) -> float:
+        """When work of `seconds` that arrives at `now` is done."""
+        if seconds <= 0:
+            return now
+        with self._lock:
+            self._free_at = max(now, self._free_at) + seconds
+            return self._free_at
 
 
 def _hang_hook(global_ids: np.ndarray) -> Optional[tuple]:

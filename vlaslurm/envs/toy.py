@@ -53,6 +53,7 @@ class ToyReachVecEnv:
     action_dim = 2
     state_dim = 2
     thread_safe = True
+    shared_device = False
 
     def __init__(self, cfg: ToyEnvConfig, num_envs: int, rank: int = 0, seed: int = 0, group_size: int = 1):
         _validate(cfg, num_envs)

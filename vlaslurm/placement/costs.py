@@ -132,6 +132,10 @@ class Costs:
     hop_s: float  # one message between two roles, one way
     memory: Memory
     batch_samples: Dict[int, np.ndarray] = field(default_factory=dict)  # vectorised step of n instances
+    # Of a call's step, seconds per instance it steps on the rank's one shared device (a GPU simulator): calls
+    # from different threads queue for that part. `batch_samples` include it; `step_samples` do not (the
+    # instance's own parallel part; group_step adds it).
+    device_s_per_env: float = 0.0
     thread_safe: bool = True  # a rank steps its instances (async) or sub-groups (pipelined) from threads at once
     reset_s: float = 0.0
     dispatch_s: float = 0.0  # async: handing a step to a thread and its result back to the rank's main loop
@@ -166,17 +170,19 @@ class Costs:
         return np.minimum(ref - 1, (np.arange(envs) * ref) // max(1, envs))
 
     def group_step(self, rng: np.random.Generator, profile_ids: np.ndarray) -> float:
-        """One action step of the instances `profile_ids`, stepped together in one call."""
+        """One action step of the instances `profile_ids`, stepped together in one call (its device part
+        included)."""
         n = len(profile_ids)
         if n == 0:
             return 0.0
         if self.step_rule == "batch":
             return self._batch_draw(rng, n)
+        device = self.device_s_per_env * n
         if n == 1:  # the common async case, without numpy's per-call overhead
             row = self.step_samples[int(profile_ids[0])]
-            return float(row[int(rng.random() * len(row))])
+            return float(row[int(rng.random() * len(row))]) + device
         draws = self.step_samples[profile_ids, rng.integers(0, self.step_samples.shape[1], n)]
-        return float(draws.max() if self.step_rule == "max" else draws.sum())
+        return float(draws.max() if self.step_rule == "max" else draws.sum()) + device
 
     def _batch_draw(self, rng: np.random.Generator, n: int) -> float:
         sizes = sorted(self.batch_samples)
@@ -229,6 +235,7 @@ def from_synthetic(spec, samples: int = 4000, hop_s: float = 0.0, capacity: floa
         memory=Memory(capacity=capacity),
         episode_len=np.asarray([episode]),
         param_bytes=params,
+        device_s_per_env=env.step_ms.per_env / 1000.0,
     )
 
 
@@ -277,7 +284,9 @@ def speed_classes(rows: List[np.ndarray], ratio: float = 1.5) -> np.ndarray:
 def from_profile(prof: Profile, spec) -> Costs:
     """Costs from a saved profile (`vlaslurm.placement.profile_types.Profile`, read at the current version)."""
     sim, gen, tr, wts, transport = prof.simulator, prof.generator, prof.trainer, prof.weights, prof.transport
-    rows = [np.asarray(r, float) for r in sim.per_instance.samples]
+    # An instance stepped alone also waits for its own device part: the rows keep only its parallel part.
+    device = float(sim.device_s_per_env)
+    rows = [np.maximum(np.asarray(r, float) - device, 1e-6) for r in sim.per_instance.samples]
     means = speed_classes(rows)
     shape = np.concatenate([r / m for r, m in zip(rows, means)])  # pooled, unit mean: the tail they share
     step_samples = np.stack([shape * m for m in means])
@@ -291,6 +300,7 @@ def from_profile(prof: Profile, spec) -> Costs:
         install_s=0.0,
         hop_s=0.0,
         memory=Memory(1.0),
+        device_s_per_env=device,
     )
     rule = pick_step_rule(probe, batch)
     fwd = gen.forward
@@ -339,6 +349,7 @@ def from_profile(prof: Profile, spec) -> Costs:
             trainer_at=estimated_trainer(spec),
         ),
         thread_safe=bool(sim.thread_safe),
+        device_s_per_env=device,
         reset_s=float(sim.reset_s),
         dispatch_s=float(sim.per_instance.dispatch_s) + hop,
         episode_len=np.asarray(sim.episode_len, int),

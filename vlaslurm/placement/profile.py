@@ -16,6 +16,7 @@ import json
 import os
 import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -327,7 +328,10 @@ def _measure_simulator(spec, budget_s: float) -> Dict[str, Any]:
         if n != counts[-1]:
             env.close()
     assert env is not None  # counts always holds 1
-    per_instance = _per_instance(env, counts[-1], rng, budget_s / 2)
+    device = device_s_per_env(env, counts[-1], rng) if env.thread_safe and env.shared_device else 0.0
+    # With a shared device, instances stepped from threads at once would queue for it in their samples, and the
+    # simulation queues them again: step them one after another, each alone on the device.
+    per_instance = _per_instance(env, counts[-1], rng, budget_s / 2, threaded=device == 0.0)
     run_chunk_cpu = _run_chunk_cpu(env, spec.model.action_chunk, rng)
     dims = env_dims(env, spec.env)
     final_obs = env.reset(list(range(counts[-1])))
@@ -343,6 +347,7 @@ def _measure_simulator(spec, budget_s: float) -> Dict[str, Any]:
         "episode_len": episode_lens[:500] or [spec.env.max_episode_steps],
         "memory": {"base": max(0.0, memory[str(sizes[0])] - per_env * sizes[0]), "per_env": max(0.0, per_env)},
         "run_chunk_cpu_s": run_chunk_cpu,
+        "device_s_per_env": device,
         "_dims": dims,
         "_obs": final_obs,
     }
@@ -365,12 +370,43 @@ def _run_chunk_cpu(env, chunk: int, rng, rounds: int = 200) -> float:
 PER_INSTANCE_MAX = 1000  # samples of one instance: quick ones stop here, slow ones at the deadline
 
 
-def _per_instance(env, n: int, rng, budget_s: float) -> Dict[str, Any]:
+def device_s_per_env(env, n: int, rng, rounds: int = 24) -> float:
+    """Seconds per instance of the part of a step that concurrent calls queue for.
+
+    Two halves of the instances stepped from two threads at once take one half's time if the
+    simulator is parallel hardware, and that plus the queued part of the other half if a part of
+    each call runs on one shared device: that excess (medians), per instance of a half.
+    """
+    half = n // 2
+    if half < 1:
+        return 0.0
+    first, second = np.arange(half), np.arange(half, 2 * half)
+    mine, theirs = (np.random.default_rng(s) for s in rng.integers(0, 2**31, 2))  # a Generator per thread
+
+    def step(ids: np.ndarray, local: np.random.Generator) -> None:
+        res = env.step(ids, local.uniform(-1, 1, (len(ids), env.action_dim)).astype(np.float32))
+        ended = ids[res.terminated | res.truncated]
+        if len(ended):
+            env.reset(ended.tolist())
+
+    alone, pair = [], []
+    for _ in range(rounds):
+        alone.append(_timed(lambda: step(first, mine)))
+        other = threading.Thread(target=step, args=(second, theirs))
+        start = time.perf_counter()
+        other.start()
+        step(first, mine)
+        other.join()
+        pair.append(time.perf_counter() - start)
+    return max(0.0, float(np.median(pair) - np.median(alone))) / half
+
+
+def _per_instance(env, n: int, rng, budget_s: float, threaded: bool = True) -> Dict[str, Any]:
     """Each instance stepped alone, so slow instances and the tail show.
 
     A thread-safe simulator is stepped from one thread per instance at once, as async
-    mode steps it (contention included, so its wall times keep the CPU waits); any other
-    one instance after another.
+    mode steps it (contention included, so its wall times keep the CPU waits), unless
+    `threaded` is False; any other one instance after another.
     """
     rows: List[List[float]] = [[] for _ in range(n)]
     cpu: List[float] = []
@@ -393,7 +429,7 @@ def _per_instance(env, n: int, rng, budget_s: float) -> Dict[str, Any]:
                 env.reset([i])
 
     dispatch: List[float] = []
-    if env.thread_safe and n > 1:
+    if threaded and env.thread_safe and n > 1:
         dispatch = _threaded_steps(env, n, rows, seeds, deadline, cpu)
     else:
         while len(rows[-1]) < PER_INSTANCE_MAX and (len(rows[-1]) < 8 or time.perf_counter() < deadline):

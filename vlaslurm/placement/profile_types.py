@@ -12,7 +12,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-PROFILE_VERSION = 6  # raise when what is measured changes; history: docs/placement.md
+PROFILE_VERSION = 7  # raise when what is measured changes; history: docs/placement.md
 
 
 class ProfileError(ValueError):
@@ -72,6 +72,7 @@ class SimulatorProfile:
     episode_len: List[int]  # env steps of episodes under random actions
     memory: SimulatorMemory
     run_chunk_cpu_s: float  # run_chunk's own CPU per instance and decision
+    device_s_per_env: float  # of a call's step, seconds per instance on a device that concurrent calls queue for
 
 
 @dataclass

@@ -155,6 +155,8 @@ def _pipeline_estimate(cand: Candidate, work: Workload, costs: Costs) -> float:
         # (the rank's main thread, shared by its instances, is left to the simulation).
         means = costs.step_samples.mean(axis=1)[ids] * C + costs.dispatch_s + costs.wake_after_s(costs.forward_s(b))
         sim_cap = cand.sim * (float(np.sum(C / means)) if costs.thread_safe else C * per / float(means.sum()))
+        if costs.device_s_per_env > 0:  # a rank's device steps one instance at a time
+            sim_cap = min(sim_cap, cand.sim / costs.device_s_per_env)
         gen_cap = cand.gen * b * C / (costs.forward_s(b) + cand.max_wait_ms / 2000.0)
         return min(sim_cap, gen_cap, work.steps_per_update / train)
     k = sched.depth
@@ -172,7 +174,9 @@ def _pipeline_estimate(cand: Candidate, work: Workload, costs: Costs) -> float:
         gen_sleep, thread_sleep = max(0.0, step - fwd), max(0.0, fwd - step)
         # Side by side each sub-group still waits for its own forward; taking turns on one thread, the
         # others' forwards can hide behind its steps.
-        cycle = max(step + fwd / k, fwd) if costs.thread_safe else max(step, fwd)
+        # A shared device steps the sub-groups' device parts one after another, whatever the threads.
+        device = costs.device_s_per_env * per * C
+        cycle = max(step + fwd / k, fwd, device) if costs.thread_safe else max(step, fwd)
     wakes = 2 if costs.thread_safe and costs.reply_s > 0 else 1
     cycle += 2 * costs.hop_s + costs.wake_after_s(gen_sleep) + wakes * costs.wake_after_s(thread_sleep)
     decisions = work.chunks_per_phase(cand)

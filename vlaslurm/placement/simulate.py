@@ -229,6 +229,7 @@ class Pipeline:
         self.gens = [_Gen() for _ in range(cand.gen)]
         self.clients = [self.sched.clients(i, cand.sim, cand.gen) for i in range(cand.gen)]
         self.device_free: Dict[int, float] = {}
+        self.sim_device_free: Dict[int, float] = {}  # by simulator rank: when its own device is next free
         self.last_step_end: Dict[tuple, float] = {}  # per simulator thread: when its last chunk ended
         # trainer state
         self.version = 0
@@ -330,7 +331,7 @@ class Pipeline:
         while rank.jobs and rank.running < rank.workers:
             req, version = rank.jobs.popleft()
             rank.running += 1
-            duration = self.chunk_time(req.envs)
+            duration, device = self.chunk_time(req.envs)
             self.env_busy_s += duration * len(req.envs)
             steps = sum(min(self.w.chunk, e.ep_len - e.t) for e in req.envs)
             self.env_steps += steps
@@ -347,29 +348,37 @@ class Pipeline:
                 last = max(last, rank.main_free)
                 asleep = self.now - last if last < self.now else 0.0
                 ready = max(self.now, rank.main_free) + (self.k.wake_after_s(asleep) if asleep else 0.0)
-            end = self._on_device(r, duration, ready) + handover
+            if device > 0:  # the simulator's own device serves its part first, one call after another
+                ready = max(ready, self.sim_device_free.get(r, 0.0)) + device
+                self.sim_device_free[r] = ready
+            end = self._on_device(r, duration - device, ready) + handover
             self.last_step_end[worker] = end - handover
             if not self.k.thread_safe:
                 rank.main_free = max(rank.main_free, end)
             self.at(end, self.stepped, req, version)
 
-    def chunk_time(self, envs: List[_Env]) -> float:
-        """Executing one action chunk: each action step waits for the active instances; finished ones reset."""
+    def chunk_time(self, envs: List[_Env]) -> Tuple[float, float]:
+        """Executing one action chunk: each action step waits for the active instances; finished ones reset.
+        Its whole time, and of that the part on the simulator's shared device (`Costs.device_s_per_env`; the
+        chunk's device parts are taken as one, ahead of the rest)."""
+        per_env = self.k.device_s_per_env
         if len(envs) == 1 and self.k.step_rule != "batch":  # fast path: one instance, its own draws
             e = envs[0]
             steps = min(self.w.chunk, e.ep_len - e.t)
             ids = cast(np.ndarray, (e.prof,))  # group_step reads one instance's id as ids[0]: no numpy call
             total = sum(self.k.group_step(self.rng, ids) for _ in range(steps))
-            return total + (self.k.reset_s if e.t + steps >= e.ep_len else 0.0)
-        total, active = 0.0, list(envs)
+            return total + (self.k.reset_s if e.t + steps >= e.ep_len else 0.0), per_env * steps
+        total, active, stepped = 0.0, list(envs), 0
         left = {e.gid: min(self.w.chunk, e.ep_len - e.t) for e in envs}
         for c in range(self.w.chunk):
             active = [e for e in active if left[e.gid] > c]
             if not active:
                 break
+            stepped += len(active)
             total += self.k.group_step(self.rng, np.fromiter((e.prof for e in active), int, len(active)))
         resets = sum(1 for e in envs if e.t + left[e.gid] >= e.ep_len)
-        return total + self.k.reset_s * (resets if self.k.step_rule == "sum" else min(1, resets))
+        total += self.k.reset_s * (resets if self.k.step_rule == "sum" else min(1, resets))
+        return total, min(total, per_env * stepped)
 
     def stepped(self, req: _Req, version: int) -> None:
         """A chunk finished; the rank's one main thread records it and sends the next request."""

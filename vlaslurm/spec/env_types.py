@@ -97,6 +97,11 @@ class StepTimeConfig:
     mean: float = doc(10.0, "Mean step time in milliseconds.")
     sigma: float = doc(1.0, "Sigma of the underlying normal (lognormal only).")
     alpha: float = doc(1.5, "Tail index (pareto only; must be > 1 for a finite mean).")
+    per_env: float = doc(
+        0.0,
+        "Added ms per instance a call steps, on one shared device per simulator rank (a GPU simulator): "
+        "concurrent calls queue for it. 0: instances are independent parallel hardware.",
+    )
 
 
 @register("env", "synthetic")

@@ -183,6 +183,7 @@ def _check_env(loaded: LoadedSpec) -> None:
     if env.type == "synthetic":
         _positive(loaded, ["env.step_ms.mean", "env.slow_factor"], minimum=1e-9)
         _positive(loaded, ["env.episode_steps"])
+        _positive(loaded, ["env.step_ms.per_env"], minimum=0)
         step_ms = cast("SyntheticEnvConfig", env).step_ms  # the registry's class of env.type synthetic
         if step_ms.dist == "pareto" and step_ms.alpha <= 1:
             raise loaded.error("env.step_ms.alpha", "must be greater than 1 for a finite mean")
