@@ -28,6 +28,7 @@ def missing_slurm_binaries() -> list:
     return [b for b in SLURM_BINARIES if shutil.which(b) is None and not Path("/usr/sbin", b).exists()]
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
     """Under pytest-xdist (`.ci/test` runs two workers, `--dist loadgroup`): every file's tests stay on one
     worker, so a module's shared runs are made once, and every Slurm test goes to one worker, so that jobs
@@ -35,6 +36,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
     for item in items:
         group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook, called on the controller with each worker's test ids
+def pytest_xdist_node_collection_finished(node, ids: List[str]) -> None:
+    """Refuse to run tests that lost their groups: xdist then spreads a file's tests over both workers,
+    each making the module's shared runs (4 experiment jobs on Slurm twice at once). It happened silently
+    twice: the hook above ran after xdist's, and pytest 9 keeps a test's id where xdist 3.8 cannot append
+    the group (hence `pytest<9` in pyproject.toml)."""
+    lost = [nodeid for nodeid in ids if "@" not in nodeid]
+    if lost and node.config.getoption("dist") == "loadgroup":
+        raise pytest.UsageError(
+            f"pytest-xdist ignored the test groups of {len(lost)} tests (e.g. {lost[0]}): check the pytest and "
+            "pytest-xdist versions against pyproject.toml"
+        )
 
 
 def _cpu_hog() -> Iterator[int]:
