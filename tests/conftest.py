@@ -52,6 +52,20 @@ def pytest_xdist_node_collection_finished(node, ids: List[str]) -> None:
         )
 
 
+@pytest.fixture
+def package_warnings() -> Iterator[List[str]]:
+    """Warnings (and worse) of vlaslurm's loggers during the test. The package logger does not propagate to the
+    root logger once configured, so pytest's caplog sees its records only in a process where nothing has
+    configured it yet: that depends on which tests ran before in the same worker."""
+    seen: List[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("vlaslurm")
+    logger.addHandler(handler)
+    yield seen
+    logger.removeHandler(handler)
+
+
 def _cpu_hog() -> Iterator[int]:
     """A CPU load beside the test (cpu_hog) or a module's shared runs (cpu_hog_module) when
     VLASLURM_TEST_CPU_HOG=1 (`.ci/test`); see tests/cpu_hog.py."""

@@ -7,16 +7,17 @@ scheduling claims can be checked on two cores.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pandas as pd
-import pytest
 import yaml
 
 from vlaslurm.rundir import read_events, read_ledger
@@ -101,11 +102,38 @@ def run_spec(
     run_dir = tmp_path / name
     os.environ.setdefault("VLASLURM_TRACKING", "off")  # the ranks inherit it: no MLflow in these runs
     loaded = load_spec(path, list(overrides))
-    with pytest.MonkeyPatch.context() as patch:  # the ranks inherit it; undone for the tests that follow
-        if not preflight:
-            patch.setenv("VLASLURM_PREFLIGHT", "off")
+    assert not (preflight and _preflight_runs), "a run with its preflight beside runs without: the env is shared"
+    with contextlib.nullcontext() if preflight else preflight_off():
         rc = run_local(loaded, tmp_path / "runs", run_dir, echo=False, timeout_s=timeout_s)
     return Run(rc, run_dir)
+
+
+_preflight_lock = threading.Lock()
+_preflight_runs = 0  # runs under way that asked for no preflight
+_preflight_before: Optional[str] = None
+
+
+@contextlib.contextmanager
+def preflight_off() -> Iterator[None]:
+    """VLASLURM_PREFLIGHT=off (the ranks inherit it) while any run that asked for it is under way, then as before.
+    Tests run several at once from threads: a MonkeyPatch each restored what another had set, and `off` stayed
+    for the worker's later tests (a LIBERO run that checks its preflight then found none)."""
+    global _preflight_runs, _preflight_before
+    with _preflight_lock:
+        if _preflight_runs == 0:
+            _preflight_before = os.environ.get("VLASLURM_PREFLIGHT")
+            os.environ["VLASLURM_PREFLIGHT"] = "off"
+        _preflight_runs += 1
+    try:
+        yield
+    finally:
+        with _preflight_lock:
+            _preflight_runs -= 1
+            if _preflight_runs == 0:
+                if _preflight_before is None:
+                    os.environ.pop("VLASLURM_PREFLIGHT", None)
+                else:
+                    os.environ["VLASLURM_PREFLIGHT"] = _preflight_before
 
 
 def served_versions(run: Run) -> Dict[Tuple[int, int, int], List[int]]:

@@ -4,9 +4,8 @@ resume falls back past a torn newest checkpoint to the newest one that verifies 
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
-from typing import Iterator, List
+from typing import List
 
 import pytest
 import torch
@@ -33,18 +32,6 @@ def save(run_dir: Path, version: int, keep: int = 3) -> Path:
     return ckpt.save(
         run_dir, ckpt.TrainerState(version=version, received_steps=10 * version), policy, optimizer, [], keep
     )
-
-
-@pytest.fixture
-def warnings() -> Iterator[List[str]]:
-    """The checkpoint logger's warnings (the package logger does not propagate to pytest's caplog)."""
-    seen: List[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("vlaslurm.checkpoint")
-    logger.addHandler(handler)
-    yield seen
-    logger.removeHandler(handler)
 
 
 def test_save_writes_a_manifest_that_verifies_and_loads(tmp_path: Path) -> None:
@@ -104,7 +91,7 @@ def test_an_optimizer_without_its_saved_state_is_refused(tmp_path: Path) -> None
     assert ckpt.load(folder, policy, None, CPU).version == 1
 
 
-def test_a_torn_newest_checkpoint_falls_back_to_the_older_one(tmp_path: Path, warnings: List[str]) -> None:
+def test_a_torn_newest_checkpoint_falls_back_to_the_older_one(tmp_path: Path, package_warnings: List[str]) -> None:
     older, newer = save(tmp_path, 2), save(tmp_path, 4)
     (newer / layout.CKPT_MODEL).write_bytes(b"torn")
     point = ckpt.latest_verified(tmp_path)
@@ -112,6 +99,7 @@ def test_a_torn_newest_checkpoint_falls_back_to_the_older_one(tmp_path: Path, wa
     assert point.skipped[newer.name].startswith(f"{layout.CKPT_MODEL}: 4 bytes, the manifest says")
 
     assert ckpt.resume_point(tmp_path, record=True) == older
+    warnings = package_warnings
     assert len(warnings) == 1 and newer.name in warnings[0] and older.name in warnings[0]
     assert layout.CKPT_MODEL in warnings[0]
     records = checkpoint_fallbacks(tmp_path)
