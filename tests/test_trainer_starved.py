@@ -12,6 +12,7 @@ runtime.timeout_s naming the hold deadlock.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,37 @@ def test_trainer_followers_outwait_a_phase_longer_than_their_group_timeout(tmp_p
     first_update = min(u["t0"] for u in run.events("update", "trainer"))
     assert first_update > 1.3 * (first_s + timeout_s)  # the wait really outlasted the group's timeout
     assert len(run.events("update", "trainer")) == 2  # one update, on both ranks
+
+
+def test_a_heartbeat_beats_while_a_block_runs_and_its_age_is_read_back(tmp_path: Path) -> None:
+    from vlaslurm.rundir import Heartbeat, beat_age_s
+
+    heartbeat = Heartbeat(tmp_path, "trainer", 0, every_s=0.05)
+    assert beat_age_s(tmp_path, "trainer", 0) is None  # none yet
+    path = tmp_path / "heartbeats" / "trainer-0.json"
+    with heartbeat.during(3, "updating"):
+        first = path.read_text()
+        time.sleep(0.3)  # the loop that would beat is held here
+        assert path.read_text() != first  # beaten again meanwhile (its time moved)
+    assert json.loads(path.read_text())["progress"] == "updating"
+    assert 0 <= beat_age_s(tmp_path, "trainer", 0) < 5
+    path.write_text("{torn")
+    assert beat_age_s(tmp_path, "trainer", 0) is None  # damaged: no age, never a crash
+
+
+@pytest.mark.slow
+def test_simulators_outwait_an_update_longer_than_the_running_deadline(tmp_path: Path) -> None:
+    """Sync, two updates of 7 s each against runtime.timeout_s 3 s (as a 7B update can outlast the default
+    120 s). The simulator waits for the next version past its deadline while the trainer's heartbeat beats
+    during the update; before, its wait ended after 3 s with 'announced no version 1' and the run went on
+    only through the simulator's restarts (one per update)."""
+    spec = synthetic_spec(
+        "sync", num_envs=4, step_ms=1, episode_steps=10, steps_per_update=40, update_ms=7000, total_env_steps=80
+    )
+    spec["runtime"] = {"first_meeting_timeout_s": 120, "timeout_s": 3}
+    run = run_spec(tmp_path, spec, timeout_s=150)
+    assert run.rc == 0, run.log("simulator", 0)[-1500:]
+    assert "announced no version" not in run.log("simulator", 0)
+    assert not (run.run_dir / "restarts.jsonl").exists()
+    updates = run.events("update", "trainer")
+    assert len(updates) == 2 and all(u["t1"] - u["t0"] >= 7 for u in updates)

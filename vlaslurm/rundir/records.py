@@ -6,10 +6,12 @@ clock (seconds since the run was created), so events of different hosts line up.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from vlaslurm.rundir.checked import DamagedRunDir, Shape, read_json_object, read_text, records
 from vlaslurm.rundir.files import append_line, read_jsonl, write_atomic
@@ -110,6 +112,35 @@ class Heartbeat:
                 mode=0o644,
             )
             self._last = now
+
+    @contextlib.contextmanager
+    def during(self, version: Optional[int], progress: str) -> Iterator[None]:
+        """Beat from a thread while the block runs: work that holds the rank's loop for longer than others wait
+        for it (a large model's update) still shows the rank alive (`is_fresh`)."""
+        done = threading.Event()
+
+        def keep_beating() -> None:
+            while not done.wait(self.every_s):
+                self.beat(version, progress, force=True)
+
+        self.beat(version, progress, force=True)
+        thread = threading.Thread(target=keep_beating, name="heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
+
+def beat_age_s(run_dir: Path, role: str, rank: int) -> Optional[float]:
+    """Seconds since a rank's last heartbeat (wall clocks: across nodes, as far as they agree); None if it has
+    none, or a damaged one."""
+    try:
+        beat = read_heartbeat(RunDir(run_dir).heartbeat(role, rank))
+    except DamagedRunDir:
+        return None
+    return None if beat is None else time.time() - float(beat["time"])
 
 
 HEARTBEAT_KEYS: Shape = {"time": (int, float), "progress": str}

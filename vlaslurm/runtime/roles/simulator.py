@@ -27,7 +27,7 @@ from vlaslurm.envs import make_env, preflight
 from vlaslurm.envs.base import VecEnv, listed_seed
 from vlaslurm.log import get_logger
 from vlaslurm.models import env_action_transform
-from vlaslurm.rundir import Counters, EventLog, Heartbeat
+from vlaslurm.rundir import Counters, EventLog, Heartbeat, beat_age_s
 from vlaslurm.runtime import checkpoint as ckpt
 from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime import signals
@@ -416,15 +416,21 @@ class Simulator:
 
 
 def wait_version(sim: Simulator, io: SimulatorIO, version: int) -> None:
-    """Block until the trainer announces `version` (or a stop); name the trainer if it stays silent."""
+    """Block until the trainer announces `version` (or a stop); name the trainer if it stays silent. The deadline
+    runs from the trainer's last heartbeat, not from the start of the wait: an update that takes longer than
+    runtime.timeout_s (a 7B model's) beats while it runs, a dead trainer does not."""
     limit = sim.ctx.deadlines.first_s if version == 0 else sim.ctx.deadlines.running_s
     deadline = time.monotonic() + limit
     while io.version < version and not io.stop:
         if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"simulator[{sim.ctx.rank}]: trainer[0] announced no version {version} within "
-                f"{limit:g} s (last seen: {io.version})"
-            )
+            age = beat_age_s(sim.ctx.run_dir, "trainer", 0)
+            if age is None or age > limit:
+                raise TimeoutError(
+                    f"simulator[{sim.ctx.rank}]: trainer[0] announced no version {version} within "
+                    f"{limit:g} s (last seen: {io.version}; its last heartbeat "
+                    f"{'missing' if age is None else f'{age:.0f} s ago'})"
+                )
+            deadline = time.monotonic() + limit - age
         io.poll(100)
         sim.tick(io.version, io)
 

@@ -620,23 +620,25 @@ def lead(
             used = col.take(version)
             if not used:
                 continue
-            run_update(cfg, ctx, policy, learner, col, offloader, group, src, used, version)
-            if col.received_steps >= cfg.rollout.total_env_steps:
+            # Lock-step simulators wait for the next version as long as this beats (simulator.wait_version).
+            with col.heartbeat.during(version, f"env_steps={col.received_steps} updating"):
+                run_update(cfg, ctx, policy, learner, col, offloader, group, src, used, version)
+                if col.received_steps >= cfg.rollout.total_env_steps:
+                    if shards is not None:
+                        shards.tell(Command())  # the followers wait for a command after every update
+                    break
+                version += 1
+                set_context(version=version)
+                col.mark_boundary(version)
                 if shards is not None:
-                    shards.tell(Command())  # the followers wait for a command after every update
-                break
-            version += 1
-            set_context(version=version)
-            col.mark_boundary(version)
-            if shards is not None:
-                sharded_boundary(cfg, ctx, col, offloader, publisher, policy, learner, shards, version)
-                continue
-            if version % cfg.checkpoint.every_versions == 0:
-                save_checkpoint(cfg, ctx, col, policy, learner)
-            if signals.requested():
-                continue  # saved at the top of the loop (again only if not just saved)
-            if publishes(cfg, version):
-                publish_version(ctx, col, offloader, publisher, policy, version)
+                    sharded_boundary(cfg, ctx, col, offloader, publisher, policy, learner, shards, version)
+                    continue
+                if version % cfg.checkpoint.every_versions == 0:
+                    save_checkpoint(cfg, ctx, col, policy, learner)
+                if signals.requested():
+                    continue  # saved at the top of the loop (again only if not just saved)
+                if publishes(cfg, version):
+                    publish_version(ctx, col, offloader, publisher, policy, version)
         finished = True
     finally:
         if group is not None:
