@@ -181,6 +181,7 @@ def main() -> int:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--cprofile", type=Path, help="profile each role's main thread into <folder>/<run>/")
     args = parser.parse_args()
     os.environ.setdefault("VLASLURM_TRACKING", "off")
     load_at_start = os.getloadavg()[0]
@@ -189,6 +190,8 @@ def main() -> int:
         for work in args.workloads.split(","):
             for name in args.modes.split(","):
                 rollout, depth = MODES[name]
+                if args.cprofile:
+                    os.environ["VLASLURM_CPROFILE"] = str(args.cprofile / f"{work}-{name}")
                 r = run(f"{work}-{name}", WORKLOADS[work], rollout, depth, args.steps, Path(tmp))
                 results.setdefault(work, {})[name] = r
                 print(

@@ -23,7 +23,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from vlaslurm.log import get_logger
 from vlaslurm.rundir import RunDir, append_restart
@@ -78,10 +78,26 @@ def main(argv: Optional[List[str]] = None) -> int:
             return probe.run(ctx)
         module, config = ROLE_MODULES[args.role]
         role = importlib.import_module(module)
-        return role.run(ctx, getattr(role, config).from_spec(spec))
+        return profiled(args.role, rank, lambda: role.run(ctx, getattr(role, config).from_spec(spec)))
     except Exception as exc:  # noqa: BLE001 - the last word of a rank must reach its log
         log.error("%s failed: %s\n%s", args.role, exc, traceback.format_exc())
         return 1
+
+
+def profiled(role: str, rank: int, run: Callable[[], int]) -> int:
+    """`run()`, under cProfile when `VLASLURM_CPROFILE` names a folder: the stats of the rank's main thread go to
+    `<folder>/<role>-<rank>.prof` (read them with `python -m pstats`), also when the role fails."""
+    folder = os.environ.get("VLASLURM_CPROFILE")
+    if not folder:
+        return run()
+    import cProfile
+
+    profile = cProfile.Profile()
+    try:
+        return profile.runcall(run)
+    finally:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        profile.dump_stats(str(Path(folder) / f"{role}-{rank}.prof"))
 
 
 def log_start_line(role: str, rank: int) -> None:
