@@ -163,6 +163,41 @@ def test_synthetic_step_takes_back_the_lateness_of_its_last_wake_up(monkeypatch)
     assert clock["now"] == pytest.approx(0.026)
 
 
+def test_synthetic_forward_costs_its_modelled_time_actions_included(monkeypatch) -> None:
+    """The synthetic policy's forward of 4 items at 5 ms + 0.5 ms each lasts 7 ms, drawing its actions included;
+    each sleep wakes 1 ms late and the next forward ends that much sooner, so 4 forwards last 29 ms, not 32.
+    A forward whose drawing alone overruns its time (faked: 9 ms) is not credited to the next one."""
+    from vlaslurm.models import base as model_base
+    from vlaslurm.models import synthetic as policy_module
+    from vlaslurm.spec.model_types import ForwardCostConfig, SyntheticModelConfig
+
+    clock = {"now": 0.0, "draw": 0.0}
+
+    def sleep(seconds: float) -> None:
+        clock["now"] += seconds + 0.001
+
+    monkeypatch.setattr(policy_module.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(policy_module.time, "sleep", sleep)
+    cfg = SyntheticModelConfig(type="synthetic", action_chunk=2, forward_ms=ForwardCostConfig(base=5.0, per_item=0.5))
+    policy = policy_module.SyntheticPolicy(cfg, action_dim=3)
+    rand = policy_module.torch.rand
+
+    def drawn(*shape, **kw):  # drawing the actions takes clock["draw"] seconds
+        clock["now"] += clock["draw"]
+        return rand(*shape, **kw)
+
+    monkeypatch.setattr(policy_module.torch, "rand", drawn)
+    inp = model_base.PolicyInput(None, np.zeros((4, 2), np.float32), ["x"] * 4, None)
+    for _ in range(4):
+        assert policy.act(inp).actions.shape == (4, 2, 3)
+    assert clock["now"] == pytest.approx(0.029)
+    clock["draw"] = 0.009
+    policy.act(inp)
+    clock["draw"], before = 0.0, clock["now"]
+    policy.act(inp)  # no credit from the overrun: 7 ms, waking 1 ms late
+    assert clock["now"] - before == pytest.approx(0.008)
+
+
 def test_slow_trainer_staleness_bound(tmp_path: Path, cpu_hog: int) -> None:
     """A slowed trainer with max_staleness 1: `drop` drops stale segments, `hold` makes the generator wait
     instead, and every used sample's lag stays <= 1 under both. Both runs go at once, so they share

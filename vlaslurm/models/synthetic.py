@@ -2,7 +2,9 @@
 
 Its forward time is `base + per_item * batch` ms, so the runtime's batching can
 be measured without CPU contention; its weights are a plain vector, so weight
-synchronisation still moves real bytes.
+synchronisation still moves real bytes. Drawing the actions counts inside that time,
+and a sleep's late wake-up (the OS's, not the model's) is taken back from the next
+forward, as the synthetic simulator does with its steps (docs/simulators.md).
 """
 
 from __future__ import annotations
@@ -25,10 +27,23 @@ class SyntheticPolicy(nn.Module):
         self.action_chunk = cfg.action_chunk
         self.action_dim = action_dim
         self.weight = nn.Parameter(torch.zeros(cfg.num_params))
+        self._late = 0.0  # seconds the last forward's wake-up came after its deadline
 
     def act(self, inp: PolicyInput, deterministic: bool = False) -> PolicyOutput:
+        start = time.perf_counter()
         batch = len(inp.instructions)
-        time.sleep((self.cfg.forward_ms.base + self.cfg.forward_ms.per_item * batch) / 1000.0)
+        out = self._outputs(inp, batch)
+        seconds = (self.cfg.forward_ms.base + self.cfg.forward_ms.per_item * batch) / 1000.0
+        deadline = start + seconds - min(self._late, seconds)
+        slept = False
+        while (left := deadline - time.perf_counter()) > 0:
+            time.sleep(left)
+            slept = True
+        # Only a sleep's lateness is the OS's: drawing the actions past the deadline is this forward's own cost.
+        self._late = time.perf_counter() - deadline if slept else 0.0
+        return out
+
+    def _outputs(self, inp: PolicyInput, batch: int) -> PolicyOutput:
         shape = (self.action_chunk, self.action_dim)
         if inp.seeds is None:
             actions = torch.rand(batch, *shape) * 2 - 1
