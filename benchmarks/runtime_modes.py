@@ -150,25 +150,11 @@ def to_stop(steps: List[dict], stops: List[float]) -> float:
 
 
 def decision_breakdown(steps: List[dict], batches: List[dict]) -> Dict[str, float]:
-    """Where an async environment's time goes between two chunks (one simulator rank: `g` is the env id),
-    mean ms per decision: request = its chunk's end to the start of the batch serving its next request
-    (simulator bookkeeping, transport, the generator's wake-up and any batch ahead of it), forward = that
-    batch, reply = the batch's end to the start of the next chunk (transport and thread wake-ups)."""
-    served: Dict[int, List[dict]] = {}
-    for b in sorted(batches, key=lambda b: b["t0"]):
-        for env_id, _, _ in b["items"]:
-            served.setdefault(env_id, []).append(b)
-    parts: Dict[str, List[float]] = {"request": [], "forward": [], "reply": [], "chunk": []}
-    for env_id, mine in served.items():
-        chunks = sorted((s for s in steps if s["g"] == env_id), key=lambda s: s["t0"])
-        for i, (chunk, batch) in enumerate(zip(chunks, mine)):  # batch i served the actions of chunk i
-            parts["forward"].append(batch["t1"] - batch["t0"])
-            parts["reply"].append(chunk["t0"] - batch["t1"])
-            parts["chunk"].append(chunk["t1"] - chunk["t0"])
-            if i + 1 < len(mine):
-                parts["request"].append(mine[i + 1]["t0"] - chunk["t1"])
-    out = {name: 1000 * float(np.mean(values)) for name, values in parts.items()}
-    return out
+    """Where an async environment's time goes between two chunks, mean ms per decision (one simulator rank):
+    runtime_overhead.py's `breakdown`, whose docstring says what each part holds."""
+    from runtime_overhead import breakdown  # beside this script
+
+    return breakdown(steps, batches, lockstep=False)
 
 
 def transport() -> dict:

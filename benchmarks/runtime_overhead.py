@@ -15,7 +15,7 @@ Ideal: the placement model's simulation (`placement.search.predict`) of the same
 (`placement.costs.from_synthetic`: no hops, wake-ups or runtime CPU), i.e. the schedule code the roles
 run, with the runtime's own cost per decision set to zero.
 Measured: env steps in the ledger over the span of all chunks, from the run's own event log.
-Per decision (means over the decisions with no update between them): `request` = a chunk's end to the
+Per decision (means; lock-step: over the decisions with no update between them): `request` = a chunk's end to the
 start of the batch that serves its next request (bookkeeping, transport, the generator's wake-up, and in
 pipelined modes the other sub-groups' batches ahead of it), `forward`, `reply` = the batch's end to the
 next chunk's start (transport, decoding, thread wake-ups), `chunk` = the env step(s), device queue included.
@@ -129,7 +129,8 @@ def breakdown(chunks: List[dict], batches: List[dict], lockstep: bool) -> Dict[s
             parts["forward"].append(batch["t1"] - batch["t0"])
             parts["reply"].append(chunk["t0"] - batch["t1"])
             parts["chunk"].append(chunk["t1"] - chunk["t0"])
-            if i + 1 < len(mine) and mine[i + 1]["v"] == batch["v"]:  # no update in between
+            # lock-step: not across a phase's end, where the wait is the update's (async never waits for one)
+            if i + 1 < len(mine) and not (lockstep and mine[i + 1]["v"] != batch["v"]):
                 parts["request"].append(mine[i + 1]["t0"] - chunk["t1"])
     return {name: 1000 * float(np.mean(values)) for name, values in parts.items() if values}
 
