@@ -169,6 +169,34 @@ def test_an_interrupted_fsdp_run_resumes_from_its_sharded_checkpoint_to_the_same
     assert (cut.run_dir / "final_model").is_dir()
 
 
+def test_vlaslurm_resume_continues_a_sharded_run_on_another_trainer_rank_count_and_longer(tmp_path: Path):
+    """A run stopped with 2 fsdp trainer ranks resumes through the command line on 1, told to go on to 8 versions
+    instead of 6: the one rank loads both ranks' shards (DCP reshards). A field that shaped the checkpoint and its
+    samples is refused, naming it, and changes nothing."""
+    from conftest import vlaslurm
+
+    cut = run_interrupted(tmp_path, toy_ppo_spec(), FSDP_2, after_version=3, sig=signal.SIGUSR2)
+    assert cut.rc == REQUEUE_EXIT, cut.log("trainer", 0)[-3000:]
+    saved = ckpt.latest(cut.run_dir)
+    assert saved is not None and ckpt.is_sharded(saved)
+    spec_before = (cut.run_dir / "spec.yaml").read_text()
+
+    refused = vlaslurm("resume", str(cut.run_dir), "rollout.seed=5", "--local", runs_root=tmp_path / "runs")
+    assert refused.returncode == 2 and "rollout.seed" in refused.stderr and "cannot change" in refused.stderr
+    assert (cut.run_dir / "spec.yaml").read_text() == spec_before
+
+    changes = ["runtime.local_ranks.trainer=1", f"rollout.total_env_steps={32 * 8}"]
+    resumed = vlaslurm("resume", str(cut.run_dir), *changes, "--local", runs_root=tmp_path / "runs", timeout=240)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:] + cut.log("trainer", 0)[-3000:]
+    assert final(cut.run_dir)["versions"] == 8
+    assert f"resumed from checkpoint {saved}" in cut.log("trainer", 0)
+    assert cut.log("trainer", 1).count("==== trainer[1]") == 1  # rank 1 ran only in the first attempt
+    assert (cut.run_dir / "spec-before-resume-1.yaml").read_text() == spec_before
+    resolved = load_spec(cut.run_dir / "spec.yaml").spec
+    assert resolved.runtime.local_ranks["trainer"] == 1 and resolved.rollout.total_env_steps == 256
+    assert read_info(cut.run_dir).ranks["trainer"] == 1
+
+
 def test_an_async_bf16_fsdp_run_completes_and_saves_float32_weights(tmp_path: Path):
     from safetensors.torch import load_file
 

@@ -10,6 +10,7 @@ from rich import box
 from rich.table import Table
 
 from vlaslurm.cli.common import UserError, add_command, add_spec_args, console, load, resolve, resolve_all, runs_root
+from vlaslurm.rundir import RunInfo
 from vlaslurm.spec import LoadedSpec
 from vlaslurm.spec.plan import HetjobPlan, build_plan
 
@@ -202,6 +203,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
     if state in ("RUNNING", "PENDING", "COMPLETED"):
         raise UserError(f"run {info.run_dir} is {state}; only a stopped run can be resumed")
     read_resolved_spec(Path(info.run_dir))  # a damaged spec stops here, before any rank starts
+    if args.overrides:
+        change_for_resume(info, args.overrides)
     console.print(f"resuming {info.run_dir} from {newest.name}")
     if args.local or info.kind == "local":
         from vlaslurm.runtime.local import resume_local
@@ -212,6 +215,24 @@ def cmd_resume(args: argparse.Namespace) -> int:
     sub = resubmit(info, runs_root(args))
     console.print(f"submitted job [bold]{sub.job_id}[/bold]  run dir: {sub.run_dir}")
     return 0
+
+
+def change_for_resume(info: RunInfo, overrides: List[str]) -> None:
+    """Resume with some settings changed (only `spec.schema.RESUMABLE` ones: the trainer's ranks and resources,
+    deadlines, the run's length): the run's spec.yaml is rewritten, the one it replaces kept, and the rank counts
+    a local resume starts follow. A fsdp checkpoint loads onto any number of trainer ranks."""
+    from vlaslurm import rundir
+    from vlaslurm.runtime.local import local_ranks
+    from vlaslurm.spec import load_spec
+
+    paths = rundir.RunDir(Path(info.run_dir))
+    loaded = load_spec(paths.spec, overrides, site=paths.site_copy if paths.site_copy.exists() else None)
+    loaded.check_resumable()
+    kept = rundir.replace_spec(paths.root, loaded.to_yaml())
+    info.overrides = [*info.overrides, *overrides]
+    info.ranks = local_ranks(loaded)
+    rundir.write_info(info)
+    console.print(f"changed for this attempt: {', '.join(overrides)} (the spec it replaces: {kept.name})")
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
@@ -271,4 +292,12 @@ def register(sub) -> None:
     )
     p = add_command(sub, "resume", cmd_resume, "continue a stopped run from its newest checkpoint")
     p.add_argument("run", help="run directory, run name or job id")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="change for this attempt what may change: resources.trainer.*, runtime.local_ranks.trainer, "
+        "trainer.micro_batch_size / activation_checkpointing / cpu_offload / replicas, runtime timeouts, "
+        "rollout.total_env_steps, slurm.time",
+    )
     p.add_argument("--local", action="store_true", help="run every role as local processes (default: as the run ran)")

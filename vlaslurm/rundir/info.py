@@ -82,6 +82,16 @@ def create_run(
     create_secret(directory)
 
 
+def replace_spec(directory: Path, spec_yaml: str) -> Path:
+    """Write the spec a resumed attempt runs with (`vlaslurm resume RUN KEY=VALUE`); the one it replaces is kept as
+    `spec-before-resume-<n>.yaml`, whose path this returns."""
+    paths = RunDir(directory)
+    kept = paths.spec_before_resume(len(paths.specs_before_resume()) + 1)
+    write_atomic(kept, paths.spec.read_bytes())
+    write_atomic(paths.spec, spec_yaml.encode())
+    return kept
+
+
 def write_info(info: RunInfo) -> None:
     """Write `run.json` atomically."""
     write_atomic(Path(info.run_dir) / RUN_INFO, json.dumps(asdict(info), indent=2).encode())

@@ -2,7 +2,7 @@
 
 <runs-root>/index.jsonl            one line per run (RUN can be a directory, a name or a job id)
 <runs-root>/<name>/<stamp>[-<jobid>]/
-    run.json  spec.yaml  secret  site.yaml  job.sbatch  job-resume-<n>.sbatch
+    run.json  spec.yaml  secret  site.yaml  job.sbatch  job-resume-<n>.sbatch  spec-before-resume-<n>.yaml
     exit_record.jsonl  restarts.jsonl  metrics.jsonl  final.json  eval.json  ledger.parquet
     logs/<role>/<rank>.log  logs/batch-<jobid>.log
     events/ counters/ heartbeats/ probe/   <role>-<rank>.json(l)
@@ -112,6 +112,12 @@ class RunDir:
 
     def resume_scripts(self) -> List[Path]:
         return sorted(self.root.glob("job-resume-*.sbatch"))
+
+    def spec_before_resume(self, n: int) -> Path:
+        return self.root / f"spec-before-resume-{n}.yaml"
+
+    def specs_before_resume(self) -> List[Path]:
+        return sorted(self.root.glob("spec-before-resume-*.yaml"))
 
     def log(self, role: str, rank: int) -> Path:
         return self.logs / role / f"{rank}.log"

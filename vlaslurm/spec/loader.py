@@ -48,6 +48,19 @@ class LoadedSpec:
         """A SpecError for `key` at its location."""
         return SpecError(message, key=key, location=self.where(key), suggestions=suggestions)
 
+    def check_resumable(self) -> None:
+        """Raise a SpecError for an override that may not change when a run resumes (`schema.RESUMABLE`)."""
+        from vlaslurm.spec.schema import RESUMABLE, resumable
+
+        for item in self.overrides:
+            key = item.split("=", 1)[0].strip()
+            if not resumable(key):
+                raise self.error(
+                    key,
+                    "cannot change when a run resumes: its checkpoint and samples depend on it (what can: "
+                    f"{', '.join(RESUMABLE)})",
+                )
+
     def to_dict(self) -> Dict[str, Any]:
         """The resolved spec as plain data (what `plan` prints and MLflow logs)."""
         return dataclasses.asdict(self.spec)

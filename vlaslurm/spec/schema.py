@@ -205,6 +205,28 @@ class ExperimentSpec:
         return default_max_restarts(role, self.rollout.weight_sync) if value is None else value
 
 
+# What `vlaslurm resume RUN KEY=VALUE ...` may change (a field or everything below it): how the trainer is laid out
+# and paced, the deadlines, and how long the run lasts. Everything else (model, algorithm, environments, seeds,
+# modes) shaped the checkpoint and the samples behind it.
+RESUMABLE = (
+    "resources.trainer",
+    "runtime.local_ranks.trainer",
+    "trainer.micro_batch_size",
+    "trainer.activation_checkpointing",
+    "trainer.cpu_offload",
+    "trainer.replicas",
+    "runtime.timeout_s",
+    "runtime.first_meeting_timeout_s",
+    "rollout.total_env_steps",
+    "slurm.time",
+)
+
+
+def resumable(key: str) -> bool:
+    """Whether the dotted field `key` may change when a run resumes (`RESUMABLE`)."""
+    return any(key == field or key.startswith(f"{field}.") for field in RESUMABLE)
+
+
 def default_max_restarts(role: str, weight_sync: str) -> int:
     """The one place a role's restart default is decided. Simulators are stateless and stay outside the
     torch.distributed world, so they come back; so do generators whose weights come from files (a restarted
