@@ -219,8 +219,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 def change_for_resume(info: RunInfo, overrides: List[str]) -> None:
     """Resume with some settings changed (only `spec.schema.RESUMABLE` ones: the trainer's ranks and resources,
-    deadlines, the run's length): the run's spec.yaml is rewritten, the one it replaces kept, and the rank counts
-    a local resume starts follow. A fsdp checkpoint loads onto any number of trainer ranks."""
+    deadlines, the run's length): the run directory's resolved spec is rewritten, the one it replaces kept, and
+    the rank counts a local resume starts follow. A fsdp checkpoint loads onto any number of trainer ranks."""
     from vlaslurm import rundir
     from vlaslurm.runtime.local import local_ranks
     from vlaslurm.spec import load_spec
