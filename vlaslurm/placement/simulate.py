@@ -204,6 +204,13 @@ class _Rank:
     waiting: set = field(default_factory=set)  # finished instances waiting for their group (whole groups)
 
 
+def queue_on(free_at: Dict[int, float], device: int, ready: float, seconds: float) -> float:
+    """When work of `seconds`, ready at `ready`, ends on `device`, which serves one piece of work at a time in
+    arrival order; `free_at` (device -> when it is next free) is updated."""
+    free_at[device] = max(ready, free_at.get(device, 0.0)) + seconds
+    return free_at[device]
+
+
 class Pipeline:
     """One simulated run of a candidate."""
 
@@ -277,9 +284,7 @@ class Pipeline:
         ready = self.now if ready is None else ready
         if not (self.c.layout == "collocated" and self.k.sim_on_gpu):
             return ready + duration
-        start = max(ready, self.device_free.get(device, 0.0))
-        self.device_free[device] = start + duration
-        return start + duration
+        return queue_on(self.device_free, device, ready, duration)
 
     # ------------------------------------------------------------------ simulator
     def start(self, r: int) -> None:
@@ -349,8 +354,7 @@ class Pipeline:
                 asleep = self.now - last if last < self.now else 0.0
                 ready = max(self.now, rank.main_free) + (self.k.wake_after_s(asleep) if asleep else 0.0)
             if device > 0:  # the simulator's own device serves its part first, one call after another
-                ready = max(ready, self.sim_device_free.get(r, 0.0)) + device
-                self.sim_device_free[r] = ready
+                ready = queue_on(self.sim_device_free, r, ready, device)
             end = self._on_device(r, duration - device, ready) + handover
             self.last_step_end[worker] = end - handover
             if not self.k.thread_safe:

@@ -116,7 +116,7 @@ class Heartbeat:
     @contextlib.contextmanager
     def during(self, version: Optional[int], progress: str) -> Iterator[None]:
         """Beat from a thread while the block runs: work that holds the rank's loop for longer than others wait
-        for it (a large model's update) still shows the rank alive (`is_fresh`)."""
+        for it (a large model's update) still shows the rank alive (`beat_age_s`)."""
         done = threading.Event()
 
         def keep_beating() -> None:
