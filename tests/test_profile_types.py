@@ -28,7 +28,7 @@ def fabricated():
         samples = [round(float(x), 7) for x in rng.lognormal(np.log(0.002 * n**0.5), 0.2, 30)]
         batch[str(n)] = {**summary(samples), "samples": samples, "cpu_wait_mean_s": 1e-5}
     return {
-        "version": 7,
+        "version": 8,
         "key": "0123456789abcdef",
         "spec": "fabricated",
         "gpu": "cpu",
@@ -120,7 +120,7 @@ def spec_with(weight_sync: str):
 def test_a_profile_round_trips_through_json() -> None:
     data = fabricated()
     prof = Profile.from_dict(data)
-    assert prof.version == PROFILE_VERSION == 7
+    assert prof.version == PROFILE_VERSION == 8
     assert prof.simulator.batch["4"].n == 30 and prof.transport.idle_s[-1] == 0.05
     assert prof.to_dict() == data
     assert Profile.from_dict(json.loads(json.dumps(prof.to_dict()))) == prof
@@ -193,7 +193,7 @@ def test_another_version_is_refused_and_is_a_cache_miss(tmp_path: Path) -> None:
     old = fabricated()
     old["version"] = 6
     del old["simulator"]["device_s_per_env"]
-    with pytest.raises(StaleProfile, match=r"version 6, this vlaslurm reads version 7 .*vlaslurm profile --force"):
+    with pytest.raises(StaleProfile, match=r"version 6, this vlaslurm reads version 8 .*vlaslurm profile --force"):
         Profile.from_dict(old)
     path = tmp_path / "old.json"
     path.write_text(json.dumps(old))

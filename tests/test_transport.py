@@ -72,14 +72,13 @@ def test_encode_decode_round_trip_every_dtype() -> None:
 def test_frame_zero_is_a_versioned_msgpack_envelope() -> None:
     frames = encode(Message("x", {}, {"a": np.ones(3, np.float32)}), KEY, channel="c", session=b"s" * 16, seq=7)
     envelope = msgpack.unpackb(frames[0])
-    assert envelope["v"] == 2 and len(envelope["mac"]) == 32
+    assert envelope["v"] == 3 and len(envelope["mac"]) == 16
+    assert (envelope["sid"], envelope["seq"]) == (b"s" * 16, 7)
     assert msgpack.unpackb(envelope["h"]) == {
         "kind": "x",
         "meta": {},
         "arrays": [{"name": "a", "dtype": "<f4", "shape": [3]}],
         "ch": "c",
-        "sid": b"s" * 16,
-        "seq": 7,
     }
     assert len(frames) == 2 and bytes(frames[1]) == np.ones(3, np.float32).tobytes()
 
@@ -104,10 +103,17 @@ def test_tampering_and_wrong_keys_are_detected() -> None:
     envelope["h"] = msgpack.packb({"kind": "obs", "meta": {"n": 2}, "arrays": []})
     with pytest.raises(WireError, match="MAC"):
         decode([msgpack.packb(envelope), frames[1]], KEY)
+    for field, other in (("seq", 1), ("sid", b"t" * 16)):  # the session and number are the MAC's key and nonce
+        moved = {**msgpack.unpackb(frames[0]), field: other}
+        with pytest.raises(WireError, match="MAC"):
+            decode([msgpack.packb(moved), frames[1]], KEY)
+    two = encode(Message("x", {}, {"a": np.zeros(4, np.int32), "b": np.ones(4, np.int32)}), KEY)
+    with pytest.raises(WireError, match="MAC"):
+        decode([two[0], two[2], two[1]], KEY)  # frames swapped: each is tagged at its place
     with pytest.raises(WireError, match="envelope"):
         decode([b"\xc1garbage"], KEY)
     with pytest.raises(WireError, match="version"):
-        decode([msgpack.packb({"v": 1})], KEY)
+        decode([msgpack.packb({"v": 2})], KEY)
 
 
 def test_signed_but_inconsistent_headers_are_rejected() -> None:
@@ -115,9 +121,9 @@ def test_signed_but_inconsistent_headers_are_rejected() -> None:
     from vlaslurm.runtime.transport import _mac
 
     def forge(specs: list[dict], frames: list[bytes]) -> list[bytes]:
-        signed = msgpack.packb({"kind": "x", "meta": {}, "arrays": specs, "ch": "", "sid": b"", "seq": 0})
-        mac = _mac(KEY, signed, [memoryview(f) for f in frames])
-        return [msgpack.packb({"v": 2, "h": signed, "mac": mac}), *frames]
+        signed = msgpack.packb({"kind": "x", "meta": {}, "arrays": specs, "ch": ""})
+        mac = _mac(KEY, signed, [memoryview(f) for f in frames], b"s", 0)
+        return [msgpack.packb({"v": 3, "sid": b"s", "seq": 0, "h": signed, "mac": mac}), *frames]
 
     with pytest.raises(WireError, match="not allowed"):
         decode(forge([{"name": "a", "dtype": "|O", "shape": [1]}], [b"\0" * 8]), KEY)

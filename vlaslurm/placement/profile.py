@@ -497,7 +497,7 @@ def _overhead(spec, obs, dims, transport: Dict[str, Any], run_chunk_s: float) ->
     """
     from vlaslurm.runtime import messages as msgs
     from vlaslurm.runtime.episodes import EnvTrack, split_obs, stack_obs
-    from vlaslurm.runtime.transport import decode, encode
+    from vlaslurm.runtime.transport import decode, socket_encoder
 
     key = b"k" * 32
     chunk, action_dim = spec.model.action_chunk, dims["action_dim"]
@@ -505,8 +505,9 @@ def _overhead(spec, obs, dims, transport: Dict[str, Any], run_chunk_s: float) ->
     track = EnvTrack(0, 0, "t", 64, time.monotonic, 0)
     track.start_episode(item)
     reply = _act_reply(chunk, action_dim)
-    act_msg = decode(encode(msgs.encode_act(reply), key), key)
-    obs_msg = decode(encode(msgs.encode_obs(msgs.ObsRequest([0], [0], [0], [1], stack_obs([item]), 0, 0)), key), key)
+    encode = socket_encoder(key)
+    act_msg = decode(encode(msgs.encode_act(reply)), key)
+    obs_msg = decode(encode(msgs.encode_obs(msgs.ObsRequest([0], [0], [0], [1], stack_obs([item]), 0, 0))), key)
     first_obs = track.obs
     assert first_obs is not None  # start_episode set it
     sim_payload = _cpu_per_call(
@@ -535,8 +536,8 @@ def _overhead(spec, obs, dims, transport: Dict[str, Any], run_chunk_s: float) ->
         )
     record = (time.process_time() - start) / rounds
     sample = segments[0] if segments else fake_segments(spec, obs, dims, 1)[0]
-    wire = encode(msgs.encode_segment(sample), key)
-    seg_encode = _cpu_per_call(lambda: encode(msgs.encode_segment(sample), key), 50)
+    wire = encode(msgs.encode_segment(sample))
+    seg_encode = _cpu_per_call(lambda: encode(msgs.encode_segment(sample)), 50)
     seg_decode = _cpu_per_call(lambda: msgs.decode_segment(decode(wire, key)), 50)
     request = transport["client_cpu_s"] + sim_payload
     return {
@@ -636,11 +637,12 @@ def _measure_generator(spec, policy, obs, device, budget_s: float) -> Dict[str, 
 def _request_s(spec, obs) -> float:
     """The generator's work per request besides the forward: take it in, answer it (signed both ways)."""
     from vlaslurm.runtime import messages as msgs
-    from vlaslurm.runtime.transport import decode, encode
+    from vlaslurm.runtime.transport import decode, socket_encoder
 
     key = b"k" * 32
     chunk = spec.model.action_chunk
-    wire = encode(msgs.encode_obs(msgs.ObsRequest([0], [0], [0], [0], _tile_obs(obs, 1), 0, 0)), key)
+    encode = socket_encoder(key)
+    wire = encode(msgs.encode_obs(msgs.ObsRequest([0], [0], [0], [0], _tile_obs(obs, 1), 0, 0)))
     reply = msgs.ActReply(
         [0], 0, 0, np.zeros((1, chunk, 7), np.float32), np.zeros((1, chunk), np.float32), np.zeros(1, np.float32)
     )
@@ -648,7 +650,7 @@ def _request_s(spec, obs) -> float:
     start = time.perf_counter()
     for _ in range(rounds):
         msgs.decode_obs(decode(wire, key))
-        encode(msgs.encode_act(reply), key)
+        encode(msgs.encode_act(reply))
     return (time.perf_counter() - start) / rounds
 
 

@@ -1,4 +1,4 @@
-"""The per-run secret that keys every message's HMAC.
+"""The per-run secret that keys every message's MAC.
 
 `create_secret(run_dir)` writes it once, born 0600 and published with ``os.link`` (no reader sees
 a partial or readable secret; two creators cannot overwrite each other); `load_secret(run_dir)`

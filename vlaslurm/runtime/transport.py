@@ -1,9 +1,10 @@
 """Authenticated, pickle-free messages over ZeroMQ.
 
 A `Message` is a kind, a small msgpack-able `meta` dict and named numpy arrays, sent as a signed
-header frame (HMAC-SHA256) and one raw frame per array. Each channel has its own key derived from
-the run secret, and the signed header names the channel, the sending socket's random session and
-its sequence number: receivers drop and count (by reason) messages that are malformed, forged,
+header frame and one raw frame per array, authenticated with AES-256-GMAC (`_Sealer`). Each channel
+has its own key derived from the run secret, each sending socket a random session (its own subkey) and
+numbers its messages (the nonce); the signed header names the channel: receivers drop and count (by
+reason) messages that are malformed, forged,
 meant for another channel, of a kind the socket does not take, or replayed. Receiving sockets
 refuse frames larger than their `max_frame_bytes` before buffering them; received arrays are
 read-only views. Sockets are not thread-safe: use each one from a single thread.
@@ -12,19 +13,21 @@ Details (wire format): docs/runtime.md
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import hmac
+import itertools
 import logging
 import math
 import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, Iterable, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Generic, Mapping, Optional, Sequence, TypeVar
 
 import msgpack
 import numpy as np
 import zmq
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from vlaslurm.rundir.secret import derive_key
 from vlaslurm.runtime.netaddr import bind_address
@@ -44,6 +47,7 @@ __all__ = [
     "routing_id",
     "rejection_counts",
     "encode",
+    "socket_encoder",
     "decode",
     "decode_signed",
     "Router",
@@ -56,8 +60,8 @@ __all__ = [
     "bind_address",
 ]
 
-WIRE_VERSION = 2
-MAC_BYTES = 32
+WIRE_VERSION = 3
+MAC_BYTES = 16
 SESSION_BYTES = 16
 MAX_SESSION_BYTES = 64
 REPLAY_WINDOW = 1024  # sequence numbers per sender session below the highest seen that may still arrive
@@ -146,12 +150,39 @@ def _raw(array: np.ndarray) -> memoryview:
     return array.reshape(-1).view(np.uint8).data  # the array's buffer, as memoryview(...) gives it
 
 
-def _mac(key: bytes, signed: bytes, frames: Iterable[memoryview]) -> bytes:
-    digest = hmac.new(key, signed, hashlib.sha256)
-    for frame in frames:
-        digest.update(frame.nbytes.to_bytes(8, "little"))
-        digest.update(frame)
-    return digest.digest()
+class _Sealer:
+    """AES-256-GMAC of one sender session's messages: GCM that encrypts nothing and authenticates everything.
+
+    The session's key is derived from the channel key and the session id, and a message's number and a frame's
+    index make the 96-bit nonce, so no (key, nonce) pair ever authenticates two different inputs (GCM's one
+    rule: the sender never reuses a number; a forger cannot make it). Each array frame gets its own tag; the
+    message's MAC is the tag of (session, number, signed header, the frames' tags). AES-GCM runs in hardware
+    (AES-NI, PCLMUL): ~5 us for a 150 KB image where HMAC-SHA256 took ~90 us. Strength: a 128-bit tag, a
+    forgery succeeds with probability about (message blocks) / 2^128 per try.
+    """
+
+    def __init__(self, channel_key: bytes, session: bytes) -> None:
+        self.session = session
+        self._aead = AESGCM(derive_key(channel_key, "vlaslurm.transport.session:" + session.hex()))
+
+    def mac(self, seq: int, signed: bytes, frames: Sequence[memoryview]) -> bytes:
+        number = seq.to_bytes(8, "little")
+        tags = [self._tag(number, i + 1, frame) for i, frame in enumerate(frames)]
+        whole = b"".join([len(self.session).to_bytes(1, "little"), self.session, number, signed, *tags])
+        return self._tag(number, 0, whole)
+
+    def _tag(self, number: bytes, index: int, data: Any) -> bytes:
+        return self._aead.encrypt(number + index.to_bytes(4, "little"), b"", data)
+
+
+@functools.lru_cache(maxsize=MAX_SESSIONS)
+def _sealer(key: bytes, session: bytes) -> _Sealer:
+    """The sealer of `session` under channel key `key`, kept for the sessions heard most recently."""
+    return _Sealer(key, session)
+
+
+def _mac(key: bytes, signed: bytes, frames: Sequence[memoryview], session: bytes, seq: int) -> bytes:
+    return _sealer(key, session).mac(seq, signed, frames)
 
 
 @dataclass(frozen=True)
@@ -163,19 +194,36 @@ class Origin:
     seq: int
 
 
-def encode(message: Message, key: bytes, *, channel: str = "", session: bytes = b"", seq: int = 0) -> list[Any]:
-    """The frames of `message`, signed with `key` (frame 0 bytes, then array buffers); `channel`,
-    `session` and `seq` travel inside the signed header (a socket fills them in)."""
+def encode(
+    message: Message, key: bytes, *, channel: str = "", session: Optional[bytes] = None, seq: int = 0
+) -> list[Any]:
+    """The frames of `message`, signed with `key` (frame 0 bytes, then array buffers). `channel` travels in
+    the signed header, the sender's `session` and the message's number `seq` beside it, authenticated by the
+    MAC (a socket fills them in; without a session, a fresh one: a session never numbers two messages alike)."""
+    session = secrets.token_bytes(SESSION_BYTES) if session is None else session
+    if not 0 <= seq < 2**64 or len(session) > MAX_SESSION_BYTES:
+        raise ValueError(f"seq must be in [0, 2**64) and a session at most {MAX_SESSION_BYTES} bytes")
     arrays = {name: _wire_array(name, a) for name, a in message.arrays.items()}
     specs = [{"name": n, "dtype": a.dtype.str, "shape": list(a.shape)} for n, a in arrays.items()]
-    header = {"kind": message.kind, "meta": message.meta, "arrays": specs, "ch": channel, "sid": session, "seq": seq}
-    signed = msgpack.packb(header, use_bin_type=True)
+    signed = msgpack.packb(
+        {"kind": message.kind, "meta": message.meta, "arrays": specs, "ch": channel}, use_bin_type=True
+    )
     raws = [_raw(a) for a in arrays.values()]
-    envelope = msgpack.packb({"v": WIRE_VERSION, "h": signed, "mac": _mac(key, signed, raws)}, use_bin_type=True)
+    mac = _mac(key, signed, raws, session, seq)
+    envelope = msgpack.packb(
+        {"v": WIRE_VERSION, "sid": session, "seq": seq, "h": signed, "mac": mac}, use_bin_type=True
+    )
     return [envelope, *raws]
 
 
-def _unpack_envelope(frame0: bytes) -> tuple[bytes, bytes]:
+def socket_encoder(key: bytes, channel: str = "") -> Callable[[Message], list[Any]]:
+    """`encode` as one sending socket signs: one session, its messages numbered (costs per message as a
+    socket's: the session's key is derived once)."""
+    session, numbers = secrets.token_bytes(SESSION_BYTES), itertools.count()
+    return lambda message: encode(message, key, channel=channel, session=session, seq=next(numbers))
+
+
+def _unpack_envelope(frame0: bytes) -> tuple[bytes, bytes, bytes, int]:
     try:
         envelope = msgpack.unpackb(frame0, raw=False, max_array_len=0, max_map_len=8)
     except Exception as err:  # msgpack raises several types for garbage
@@ -183,10 +231,14 @@ def _unpack_envelope(frame0: bytes) -> tuple[bytes, bytes]:
     if not isinstance(envelope, dict) or envelope.get("v") != WIRE_VERSION:
         version = envelope.get("v") if isinstance(envelope, dict) else None
         raise WireError(f"unsupported wire version {version!r} (expected {WIRE_VERSION})")
-    signed, mac = envelope.get("h"), envelope.get("mac")
+    signed, mac, session, seq = envelope.get("h"), envelope.get("mac"), envelope.get("sid"), envelope.get("seq")
     if not isinstance(signed, bytes) or not isinstance(mac, bytes) or len(mac) != MAC_BYTES:
         raise WireError("envelope lacks a signed header or a MAC")
-    return signed, mac
+    if not isinstance(session, bytes) or len(session) > MAX_SESSION_BYTES:
+        raise WireError("envelope lacks a sender session")
+    if not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq < 2**64:
+        raise WireError("envelope lacks a message number")
+    return signed, mac, session, seq
 
 
 def _array_from(spec: Any, frame: memoryview) -> tuple[str, np.ndarray]:
@@ -208,8 +260,8 @@ def decode_signed(frames: Sequence[Any], key: bytes) -> tuple[Message, Origin]:
     if not frames:
         raise WireError("empty message")
     buffers = [memoryview(f.buffer if isinstance(f, zmq.Frame) else f).cast("B") for f in frames]
-    signed, mac = _unpack_envelope(bytes(buffers[0]))
-    if not hmac.compare_digest(mac, _mac(key, signed, buffers[1:])):
+    signed, mac, session, seq = _unpack_envelope(bytes(buffers[0]))
+    if not hmac.compare_digest(mac, _mac(key, signed, buffers[1:], session, seq)):
         raise WireError("bad MAC (wrong run secret, another channel's key, or a tampered message)", reason="mac")
     try:
         header = msgpack.unpackb(signed, raw=False)
@@ -217,19 +269,14 @@ def decode_signed(frames: Sequence[Any], key: bytes) -> tuple[Message, Origin]:
         raise WireError(f"undecodable signed header ({type(err).__name__})") from None
     if not isinstance(header, dict):
         raise WireError("signed header is not a map")
-    specs, session, seq = header.get("arrays"), header.get("sid"), header.get("seq")
+    specs = header.get("arrays")
     if (
         not isinstance(header.get("kind"), str)
         or not isinstance(header.get("meta"), dict)
         or not isinstance(specs, list)
         or not isinstance(header.get("ch"), str)
-        or not isinstance(session, bytes)
-        or len(session) > MAX_SESSION_BYTES
-        or not isinstance(seq, int)
-        or isinstance(seq, bool)
-        or seq < 0
     ):
-        raise WireError("signed header lacks kind/meta/arrays/ch/sid/seq")
+        raise WireError("signed header lacks kind/meta/arrays/ch")
     if len(specs) != len(buffers) - 1:
         raise WireError(f"header lists {len(specs)} arrays but {len(buffers) - 1} frames arrived")
     arrays = dict(_array_from(spec, buf) for spec, buf in zip(specs, buffers[1:]))
@@ -601,8 +648,8 @@ class Poller(Generic[_S]):
 def benchmark(rounds: int = 2000, image_shape: tuple[int, ...] = (1, 224, 224, 3)) -> dict[str, float]:
     """Median loopback round trip (µs) of an image+state request and a small action reply.
 
-    ``vlaslurm_us`` is this layer (msgpack, HMAC both ways, dtype checks);
-    ``raw_zmq_us`` sends the same bytes with bare pyzmq; ``hmac_us`` is the
+    ``vlaslurm_us`` is this layer (msgpack, MAC both ways, dtype checks);
+    ``raw_zmq_us`` sends the same bytes with bare pyzmq; ``mac_us`` is the
     MAC of the request alone, once.
     """
     key = b"k" * 32
@@ -613,7 +660,7 @@ def benchmark(rounds: int = 2000, image_shape: tuple[int, ...] = (1, 224, 224, 3
     return {
         "raw_zmq_us": _median_us(_raw_round_trips(rounds, image)),
         "vlaslurm_us": _median_us(_wrapped_round_trips(rounds, request, reply, key)),
-        "hmac_us": _median_us(_timed(rounds, lambda: _mac(key, b"", raws))),
+        "mac_us": _median_us(_timed(rounds, lambda: _mac(key, b"", raws, b"s" * SESSION_BYTES, 0))),
     }
 
 
