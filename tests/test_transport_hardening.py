@@ -231,6 +231,48 @@ def test_wrong_kinds_and_bad_contents_are_refused_and_counted(transport_log: Log
     assert any("expected 2 rows" in m for m in transport_log.messages)
 
 
+def test_one_act_message_carries_a_forwards_replies_to_one_simulator() -> None:
+    """A forward answers all requests of one simulator in one message; the simulator reads each reply with its
+    rows, and the decoding its socket did to check the message is the one the role gets (not a second one)."""
+    from vlaslurm.runtime.transport import WireError
+
+    def reply(env_ids: list, group: int, version: int = 3) -> msgs.ActReply:
+        n = len(env_ids)
+        rows = np.arange(n, dtype=np.float32) + env_ids[0]
+        return msgs.ActReply(
+            env_ids, group, version, np.tile(rows[:, None, None], (1, 4, 2)), np.tile(rows[:, None], (1, 4)), rows,
+            1, np.zeros((n, 4, 2), np.float32), {"path": np.tile(rows[:, None], (1, 5))},
+        )  # fmt: skip
+
+    sent = [reply([4], 4), reply([7, 8], 0), reply([2], 2)]
+    channels = msgs.generator_channels("job-r0", 1, 1)
+    with Router(SECRET, **channels) as router, Dealer(SECRET, **channels, accepts=msgs.REPLIES) as sim:
+        sim.connect(router.bind(LOOPBACK))
+        sim.send(msgs.encode_obs(obs_request()))
+        peer, _ = router.recv(5000)
+        router.send(peer, msgs.encode_acts(sent))
+        got = sim.recv(5000)
+    assert got is not None and msgs.decode_acts(got) is got.decoded  # the socket's check, kept
+    back = msgs.decode_acts(got)
+    assert [(r.env_ids, r.sub_group, r.version, r.gen_rank) for r in back] == [
+        ([4], 4, 3, 1),
+        ([7, 8], 0, 3, 1),
+        ([2], 2, 3, 1),
+    ]
+    for b, s in zip(back, sent):
+        for name in ("actions", "logprob", "value", "token_logprob"):
+            np.testing.assert_array_equal(getattr(b, name), getattr(s, name))
+        np.testing.assert_array_equal(b.replay["path"], s.replay["path"])
+    with pytest.raises(ValueError, match="one forward"):
+        msgs.encode_acts([reply([1], 0), reply([2], 0, version=4)])
+    lying = msgs.encode_acts(sent)
+    lying.meta["counts"] = [1, 1, 1]  # four rows
+    with pytest.raises(WireError, match="do not split"):
+        msgs.decode_acts(lying)
+    with pytest.raises(WireError, match="3 replies where one was expected"):
+        msgs.decode_act(msgs.encode_acts(sent))
+
+
 def test_every_decoder_refuses_bad_contents_with_a_wire_error() -> None:
     from vlaslurm.runtime.transport import WireError
 

@@ -12,13 +12,15 @@ role moves on only once the device is free.
 Each decoder checks what it reads (types, lengths, the arrays a kind must carry) and raises
 `WireError` for anything else; the receiving sockets run them on every message they take
 (`*_INTAKE`, `ANNOUNCEMENTS`, `REPLIES`), so a bad message is a counted rejection, never a rank's
-crash. Channel names (`channel`) and the largest frame a run may send (`max_frame_bytes`) are here too.
+crash, and a role's decoding of a message its socket took returns what that check decoded (`_kept`).
+Channel names (`channel`) and the largest frame a run may send (`max_frame_bytes`) are here too.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar
 
 import numpy as np
 
@@ -32,6 +34,19 @@ MAX_SEGMENT_STEPS = 64  # decision steps in one segment at most (the simulator c
 
 
 # --------------------------------------------------------------------------- checks
+
+_T = TypeVar("_T")
+
+
+def _kept(decoder: Callable[[Message], _T]) -> Callable[[Message], _T]:
+    """`decoder`, reading what a receiving socket's check by this same decoder kept on the message
+    (`Message.decoded`) instead of decoding it a second time."""
+
+    @functools.wraps(decoder)
+    def decode(msg: Message) -> _T:
+        return msg.decoded if msg.decoded_by is decode else decoder(msg)
+
+    return decode
 
 
 def _bad(kind: str, what: str) -> WireError:
@@ -124,6 +139,7 @@ def encode_obs(req: ObsRequest) -> Message:
     return Message(OBS, meta, arrays)
 
 
+@_kept
 def decode_obs(msg: Message) -> ObsRequest:
     m, k = msg.meta, OBS
     env_ids = _list(m, "env_ids", k, int)
@@ -176,34 +192,77 @@ def decode_replay(msg: Message, rows: int) -> Optional[Dict[str, np.ndarray]]:
     return {name[len(REPLAY) :]: _required(msg, name, rows) for name in names}
 
 
-def encode_act(rep: ActReply) -> Message:
+def _act_arrays(rep: ActReply) -> Dict[str, np.ndarray]:
     arrays = {"actions": rep.actions, "logprob": rep.logprob, "value": rep.value, **replay_arrays(rep.replay)}
     if rep.token_logprob is not None:
         arrays["token_logprob"] = rep.token_logprob
-    return Message(
-        ACT,
-        {"env_ids": rep.env_ids, "sub_group": rep.sub_group, "version": rep.version, "gen_rank": rep.gen_rank},
-        arrays,
-    )
+    return arrays
 
 
-def decode_act(msg: Message) -> ActReply:
+def encode_acts(replies: List[ActReply]) -> Message:
+    """The replies of one forward to one simulator, in one message (one send, one MAC, one wake-up for all of
+    them); they share the forward's version and generator."""
+    first = replies[0]
+    if any((r.version, r.gen_rank) != (first.version, first.gen_rank) for r in replies):
+        raise ValueError("replies in one message must come from one forward (one version and generator)")
+    parts = [_act_arrays(r) for r in replies]
+    if any(p.keys() != parts[0].keys() for p in parts):
+        raise ValueError("replies in one message must carry the same arrays")
+    arrays = parts[0] if len(parts) == 1 else {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+    meta = {
+        "env_ids": [e for r in replies for e in r.env_ids],
+        "counts": [len(r.env_ids) for r in replies],
+        "sub_groups": [r.sub_group for r in replies],
+        "version": first.version,
+        "gen_rank": first.gen_rank,
+    }
+    return Message(ACT, meta, arrays)
+
+
+def encode_act(rep: ActReply) -> Message:
+    return encode_acts([rep])
+
+
+@_kept
+def decode_acts(msg: Message) -> List[ActReply]:
+    """The replies in an `act` message (`encode_acts`), each with its rows of the arrays (views)."""
     m, k = msg.meta, ACT
     env_ids = _list(m, "env_ids", k, int)
     n = len(env_ids)
-    if n == 0:
-        raise _bad(k, "no environments")
-    return ActReply(
-        env_ids,
-        _int(m, "sub_group", k),
-        _int(m, "version", k),
-        _required(msg, "actions", n),
-        _required(msg, "logprob", n),
-        _required(msg, "value", n),
-        _int(m, "gen_rank", k),
-        _array(msg, "token_logprob", n),
-        decode_replay(msg, n),
-    )
+    counts = _list(m, "counts", k, int)
+    if n == 0 or not counts or any(c < 1 for c in counts) or sum(counts) != n:
+        raise _bad(k, f"counts {counts} do not split {n} environments into non-empty replies")
+    groups = _list(m, "sub_groups", k, int, len(counts))
+    version, gen_rank = _int(m, "version", k), _int(m, "gen_rank", k)
+    actions, logprob, value = (_required(msg, name, n) for name in ("actions", "logprob", "value"))
+    tokens, replay = _array(msg, "token_logprob", n), decode_replay(msg, n)
+    out, start = [], 0
+    for count, group in zip(counts, groups):
+        rows = slice(start, start + count)
+        out.append(
+            ActReply(
+                env_ids[rows],
+                group,
+                version,
+                actions[rows],
+                logprob[rows],
+                value[rows],
+                gen_rank,
+                None if tokens is None else tokens[rows],
+                None if replay is None else {name: v[rows] for name, v in replay.items()},
+            )
+        )
+        start += count
+    return out
+
+
+@_kept
+def decode_act(msg: Message) -> ActReply:
+    """The reply of an `act` message that holds one (an evaluation's)."""
+    replies = decode_acts(msg)
+    if len(replies) != 1:
+        raise _bad(ACT, f"{len(replies)} replies where one was expected")
+    return replies[0]
 
 
 def held(env_ids: List[int], gen_rank: int) -> Message:
@@ -212,6 +271,7 @@ def held(env_ids: List[int], gen_rank: int) -> Message:
     return Message(HELD, {"env_ids": list(env_ids), "gen_rank": gen_rank})
 
 
+@_kept
 def decode_held(msg: Message) -> Tuple[List[int], int]:
     """(env ids, generator rank) of a `held` notice."""
     return _list(msg.meta, "env_ids", HELD, int), _int(msg.meta, "gen_rank", HELD)
@@ -326,6 +386,7 @@ _SEG_META_TYPES: Dict[str, Callable[[Mapping[str, Any], str, str], Any]] = {
 _SEG_OPTIONAL = {"images": 1, "state": 1, "token_logprob": 0}  # optional arrays, and their rows past T
 
 
+@_kept
 def decode_segment(msg: Message) -> Segment:
     actions = _required(msg, "actions", None)
     if actions.ndim == 0 or not 0 < actions.shape[0] <= MAX_SEGMENT_STEPS:
@@ -366,6 +427,7 @@ class PhaseEnd:
     incarnation: int
 
 
+@_kept
 def decode_phase_end(msg: Message) -> PhaseEnd:
     m, k = msg.meta, PHASE_END
     return PhaseEnd(
@@ -382,6 +444,7 @@ def sim_restart(sim_rank: int, incarnation: int) -> Message:
     return Message(SIM_RESTART, {"sim_rank": sim_rank, "incarnation": incarnation})
 
 
+@_kept
 def decode_sim_restart(msg: Message) -> Tuple[int, int]:
     """(simulator rank, incarnation) of a `sim_restart`."""
     return _int(msg.meta, "sim_rank", SIM_RESTART), _int(msg.meta, "incarnation", SIM_RESTART)
@@ -392,6 +455,7 @@ def sim_done(sim_rank: int, segments: int, steps: int) -> Message:
     return Message(SIM_DONE, {"sim_rank": sim_rank, "segments": segments, "steps": steps})
 
 
+@_kept
 def decode_sim_done(msg: Message) -> Tuple[int, int, int]:
     """(simulator rank, segments, steps) of a `sim_done`."""
     m, k = msg.meta, SIM_DONE
@@ -435,6 +499,7 @@ class Ctl:
     """Of `consumed_steps`, the slots of stale segments."""
 
 
+@_kept
 def decode_ctl(msg: Message) -> Ctl:
     m, k = msg.meta, CTL
     return Ctl(
@@ -460,6 +525,7 @@ def offloaded(version: int, role: str, rank: int) -> Message:
     return Message(OFFLOADED, {"version": version, "role": role, "rank": rank})
 
 
+@_kept
 def decode_offloaded(msg: Message) -> Tuple[int, str, int]:
     """(version, role, rank) of an `offloaded` report."""
     m, k = msg.meta, OFFLOADED
@@ -471,7 +537,7 @@ def decode_offloaded(msg: Message) -> Tuple[int, str, int]:
 Decoders = Mapping[str, Callable[[Message], object]]
 GENERATOR_INTAKE: Decoders = {OBS: decode_obs}  # a generator's Router
 EVAL_GENERATOR_INTAKE: Decoders = {OBS: decode_obs, SIM_DONE: decode_sim_done}  # an eval job's generator
-REPLIES: Decoders = {ACT: decode_act, HELD: decode_held}  # a simulator's Dealers
+REPLIES: Decoders = {ACT: decode_acts, HELD: decode_held}  # a simulator's Dealers
 TRAINER_INTAKE: Decoders = {  # trainer rank 0's Pull
     SEGMENT: decode_segment,
     PHASE_END: decode_phase_end,

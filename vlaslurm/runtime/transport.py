@@ -122,6 +122,10 @@ class Message:
     kind: str
     meta: dict[str, Any] = field(default_factory=dict)
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    # What the receiving socket's check of this kind returned, and that check: a decoder that is the check reads
+    # it instead of decoding again (`messages` decoders do).
+    decoded: Any = field(default=None, repr=False, compare=False)
+    decoded_by: Optional[Callable[[Message], object]] = field(default=None, repr=False, compare=False)
 
 
 # --------------------------------------------------------------------------- encoding
@@ -499,7 +503,7 @@ class _Socket:
         check = None if self.accepts is None else self.accepts[message.kind]
         if check is not None:
             try:
-                check(message)
+                message.decoded, message.decoded_by = check(message), check
             except WireError as err:
                 raise WireError(f"bad {message.kind!r} message: {err}", reason="content") from None
             except Exception as err:  # noqa: BLE001 - a check that trips over odd content refuses it

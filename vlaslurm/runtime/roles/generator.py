@@ -288,9 +288,14 @@ class Generator:
             g=sorted({r.sub_group for r in requests}),
             items=items,
         )
+        by_peer: Dict[bytes, List[msgs.ActReply]] = {}  # one message per simulator for all its requests
         for p, reply in replies(batch, self.version, self.ctx.rank, actions, logprob, value, tokens, replay):
-            self.reply(p.peer, msgs.encode_act(reply))
-            self.counters.sample("request_latency_s", time.monotonic() - p.arrived)
+            by_peer.setdefault(p.peer, []).append(reply)
+        for peer, answers in by_peer.items():
+            self.reply(peer, msgs.encode_acts(answers))
+        now = time.monotonic()
+        for p in batch:
+            self.counters.sample("request_latency_s", now - p.arrived)
         self.served_steps += len(items) * self.cfg.model.action_chunk
         self.counters.busy(t1 - t0)
         self.counters.sample("batch_size", len(items))

@@ -187,28 +187,30 @@ class SimulatorIO:
                 if msg.kind == msgs.CTL:
                     self._announced(msg)
                 elif msg.kind == msgs.ACT:
-                    reply = msgs.decode_act(msg)
-                    if self.inflight.pop(reply.env_ids[0], None) is None:
-                        # Answered already (a request resent to a restarted generator): stepping its
-                        # instances twice, from two threads, would corrupt their episodes.
-                        log.warning(
-                            "simulator[%d]: dropped a second reply for envs %s from generator[%d]",
-                            self.ctx.rank,
-                            list(reply.env_ids),
-                            reply.gen_rank,
-                        )
-                        self.duplicates += 1
-                        continue
-                    self.outstanding[reply.gen_rank] -= 1
-                    self.answered[reply.gen_rank] = True
-                    self.waiting_since[reply.gen_rank] = time.monotonic()
-                    replies.append(reply)
+                    replies += [r for r in msgs.decode_acts(msg) if self._first_answer(r)]
                 elif msg.kind == msgs.HELD:
                     env_ids, gen_rank = msgs.decode_held(msg)
                     self.held += env_ids
                     if 0 <= gen_rank < len(self.waiting_since):
                         self.waiting_since[gen_rank] = time.monotonic()  # held, not gone
         return replies
+
+    def _first_answer(self, reply: msgs.ActReply) -> bool:
+        """Take `reply` off the requests in flight; False if it was answered already (a request resent to a
+        restarted generator): stepping its instances twice, from two threads, would corrupt their episodes."""
+        if self.inflight.pop(reply.env_ids[0], None) is None:
+            log.warning(
+                "simulator[%d]: dropped a second reply for envs %s from generator[%d]",
+                self.ctx.rank,
+                list(reply.env_ids),
+                reply.gen_rank,
+            )
+            self.duplicates += 1
+            return False
+        self.outstanding[reply.gen_rank] -= 1
+        self.answered[reply.gen_rank] = True
+        self.waiting_since[reply.gen_rank] = time.monotonic()
+        return True
 
     def _announced(self, msg) -> None:
         ctl = msgs.decode_ctl(msg)
