@@ -39,6 +39,9 @@ QUICKSTART = REPO / "experiments" / "quickstart.yaml"
 GRPO_ALGO = {"type": "grpo", "group_size": 4, "advantage": "chunk", "success_filter": [0.0, 1.0], "clip": [0.2, 0.2]}
 ALGOS = ("ppo", "grpo")
 MODES = ("sync", "async")
+# A diagnostic configuration (`--modes sync-lag1`): sync whose generator serves the weights one version old
+# (runtime/roles/generator.py `WeightLag`): async's one-update feedback delay without async's other differences.
+LAGGED = {"sync-lag1": ("sync", 1)}
 LEVELS = (0.5, 0.8)
 SMOOTH = 3
 NAME = "learning_curves"
@@ -48,6 +51,7 @@ def run_one(algo: str, mode: str, seed: int, steps: int, root: Path) -> dict:
     """One run to `steps` env steps; its curve (env steps, wall s, success) from metrics.jsonl."""
     from vlaslurm.rundir import RunDir
     from vlaslurm.runtime.local import run_local
+    from vlaslurm.runtime.roles.generator import WEIGHT_LAG_ENV
     from vlaslurm.spec import load_spec
 
     spec = yaml.safe_load(QUICKSTART.read_text())
@@ -55,14 +59,19 @@ def run_one(algo: str, mode: str, seed: int, steps: int, root: Path) -> dict:
         shared = ("lr", "steps_per_update", "epochs", "minibatches", "logprob_level")
         spec["algo"] = {**{k: spec["algo"][k] for k in shared}, **GRPO_ALGO}
     spec["name"] = "curve"
-    spec["rollout"].update(mode=mode, seed=seed, total_env_steps=steps)
+    spec_mode, lag = LAGGED.get(mode, (mode, 0))
+    spec["rollout"].update(mode=spec_mode, seed=seed, total_env_steps=steps)
     spec["model"]["init_seed"] = seed
     run_dir = root / f"{algo}-{mode}-{seed}"
     spec_path = root / f"{algo}-{mode}-{seed}.yaml"
     spec_path.write_text(yaml.safe_dump(spec))
     load0 = os.getloadavg()[0]
     t0 = time.monotonic()
-    rc = run_local(load_spec(spec_path), root / "runs", run_dir, echo=False, timeout_s=3600)
+    os.environ[WEIGHT_LAG_ENV] = str(lag)  # the ranks are child processes: they inherit it
+    try:
+        rc = run_local(load_spec(spec_path), root / "runs", run_dir, echo=False, timeout_s=3600)
+    finally:
+        del os.environ[WEIGHT_LAG_ENV]
     layout = RunDir(run_dir)  # the run directory's own names, not spelled here
     rows = [json.loads(line) for line in layout.metrics.read_text().splitlines() if line.strip()]
     counters_path = layout.counter("trainer", 0)
@@ -143,7 +152,7 @@ def report(results: List[dict], out: Path, meta: dict) -> None:
         "|---|---|---|---|---|---|---|---|",
     ]
     for algo in ALGOS:
-        for mode in MODES:
+        for mode in (*MODES, *[m for m in LAGGED if any(r["mode"] == m for r in results)]):
             runs = [r for r in results if r["algo"] == algo and r["mode"] == mode]
             if not runs:
                 lines.append(f"| {algo} | {mode} | 0 | missing | | | | |")
@@ -227,6 +236,8 @@ def plot(results: List[dict], path: Path) -> None:
         ("ppo", "async"): "tab:orange",
         ("grpo", "sync"): "tab:green",
         ("grpo", "async"): "tab:red",
+        ("ppo", "sync-lag1"): "tab:purple",
+        ("grpo", "sync-lag1"): "tab:brown",
     }
     for (algo, mode), colour in colours.items():
         for i, r in enumerate(x for x in results if x["algo"] == algo and x["mode"] == mode):
@@ -252,7 +263,7 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=80_000)
     parser.add_argument("--algos", nargs="+", default=list(ALGOS))
-    parser.add_argument("--modes", nargs="+", default=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=[*MODES, *LAGGED])
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--note", default="", help="a line under the report's header (e.g. which commit ran what)")

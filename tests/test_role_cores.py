@@ -10,11 +10,12 @@ from typing import List, Optional
 
 import numpy as np
 import pytest
+import torch
 
 from vlaslurm.envs.base import Observation, StepResult
 from vlaslurm.rundir import Counters, EventLog, read_events
 from vlaslurm.runtime import messages as msgs
-from vlaslurm.runtime.roles.generator import Batcher, Pending
+from vlaslurm.runtime.roles.generator import WEIGHT_LAG_ENV, Batcher, Pending, WeightLag
 from vlaslurm.runtime.roles.simulator import Stepper, StuckStep
 from vlaslurm.runtime.roles.trainer import Collector, TrainerConfig
 from vlaslurm.runtime.schedule import Async, Sync
@@ -51,6 +52,20 @@ def test_batcher_serves_oldest_first_up_to_max_batch() -> None:
     b.pending.append(pending(0, 9, 0.02))
     assert b.ready(0, 0.02) and [len(p.request) for p in b.take(0)] == [9]  # a larger one alone
     assert b.wait_s(0, 0.03) == 0.05 and b.take(0) == []  # nothing waits: the poll's own timeout
+
+
+def test_weight_lag_serves_the_weights_received_n_versions_earlier(monkeypatch) -> None:
+    """The diagnostic that gives sync async's feedback delay: with n = 1 each version is served one late, and
+    what it serves is a copy (the subscriber may reuse its buffers)."""
+    assert WeightLag.from_env() is None  # off unless asked
+    monkeypatch.setenv(WEIGHT_LAG_ENV, "1")
+    lag = WeightLag.from_env()
+    assert lag is not None and lag.versions == 1
+    received = [{"w": torch.full((2,), float(v))} for v in range(4)]
+    served = [float(lag.served(sd)["w"][0]) for sd in received]
+    assert served == [0.0, 0.0, 1.0, 2.0]
+    received[2]["w"].add_(10.0)
+    assert float(lag.kept[0]["w"][0]) == 2.0 and len(lag.kept) == 2
 
 
 def test_batcher_in_lockstep_serves_once_every_simulator_asked_and_holds_newer_versions() -> None:

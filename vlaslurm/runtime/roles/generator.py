@@ -143,6 +143,31 @@ def replies(
         start += n
 
 
+WEIGHT_LAG_ENV = "VLASLURM_DIAG_WEIGHT_LAG"
+
+
+class WeightLag:
+    """A diagnostic (`VLASLURM_DIAG_WEIGHT_LAG=n` in the generator's environment): serve the weights received n
+    versions before the newest, still tagged with the newest's version. The behaviour log-probs are the older
+    weights', so the trainer's correction sees the truth; the schedule sees no staleness. Sync mode then has
+    async's one-update feedback delay and none of its other differences (docs/runtime.md, Diagnostics)."""
+
+    def __init__(self, versions: int) -> None:
+        self.versions = versions
+        self.kept: List[Dict[str, torch.Tensor]] = []
+
+    @classmethod
+    def from_env(cls) -> Optional[WeightLag]:
+        versions = int(os.environ.get(WEIGHT_LAG_ENV, "0") or 0)
+        return cls(versions) if versions > 0 else None
+
+    def served(self, state_dict) -> Dict[str, torch.Tensor]:
+        """The weights to serve now that `state_dict` arrived."""
+        self.kept.append({k: v.detach().clone() for k, v in state_dict.items()})
+        del self.kept[: -(self.versions + 1)]
+        return self.kept[0]
+
+
 class Generator:
     """One generator rank: its policy, sockets, version and records."""
 
@@ -198,10 +223,14 @@ class Generator:
             report=OffloadReporter.of(ctx, "generator", cfg.layout),
         )
         self.taken = -1  # newest version whose phase the trainer took (lock-step): its model may leave the GPU
+        self.weight_lag = WeightLag.from_env()
+        if self.weight_lag is not None:
+            lag = self.weight_lag.versions
+            log.warning("%s=%d: serving weights %d versions old (a diagnostic)", WEIGHT_LAG_ENV, lag, lag)
 
     def install(self, version: int, state_dict) -> None:
         self.offloader.onload(version)
-        self.policy.load_state_dict(state_dict)
+        self.policy.load_state_dict(state_dict if self.weight_lag is None else self.weight_lag.served(state_dict))
         self.version = version
         newest_older = max((v for v in self.budget_bases if v < version), default=-1)  # stands in for an unheard base
         self.budget_bases = {v: b for v, b in self.budget_bases.items() if v >= newest_older}
