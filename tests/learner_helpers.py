@@ -28,11 +28,29 @@ def tiny_policy(seed: int = 0, std: str = "learned"):
     return build_policy(cfg, action_dim=2, state_dim=2, image_size=32, num_cameras=1)
 
 
+LR = 1e-3  # the learner tests' learning rate (`algo_config`)
+
+
+def assert_same_update(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor], label: str = "") -> None:
+    """Parameters after the same update computed two ways (ranks, shards, micro-batches) agree: 99.9% of all
+    elements within rtol 1e-4 / atol 2e-6, and every element within 5% of one step (0.05 lr). Adam divides each
+    gradient by its own magnitude, so an element whose gradient nearly cancels to zero turns the float noise of
+    a different summation order into a visible part of its step; a wrong update moves every element by ~lr."""
+    assert set(got) == set(want), f"{label}: {sorted(set(got) ^ set(want))}"
+    loose, total = 0, 0
+    for name, value in want.items():
+        diff = (got[name].float() - value.float()).abs()
+        loose += int((diff > 2e-6 + 1e-4 * value.float().abs()).sum())
+        total += value.numel()
+        assert float(diff.max()) <= 0.05 * LR, f"{label} {name}: differs by {float(diff.max()):.3g} (> 0.05 lr)"
+    assert loose <= 1e-3 * total, f"{label}: {loose} of {total} elements differ beyond rtol 1e-4 / atol 2e-6"
+
+
 def algo_config(kind: str, level: str, minibatches: int = 3):
     """The learner tests' PPO or GRPO (groups of 4) at `algo.logprob_level` `level`: 2 epochs, lr 1e-3. GRPO keeps
     every group on the chunk advantage (the defaults before issue 17), so that every update on these short
     rollouts, whose groups often all fail, moves the parameters."""
-    common: Dict[str, Any] = dict(lr=1e-3, epochs=2, minibatches=minibatches, logprob_level=level)
+    common: Dict[str, Any] = dict(lr=LR, epochs=2, minibatches=minibatches, logprob_level=level)
     if kind == "ppo":
         return PPOConfig(type="ppo", **common)
     return GRPOConfig(type="grpo", group_size=4, success_filter=[0.0, 1.0], advantage="chunk", **common)

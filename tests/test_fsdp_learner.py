@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from learner_helpers import CHUNK, algo_config, rollout_segments, tiny_policy
+from learner_helpers import CHUNK, algo_config, assert_same_update, rollout_segments, tiny_policy
 from tiny_checkpoints import write_tiny_release
 
 from vlaslurm.algos.batch import collate
@@ -255,8 +255,7 @@ def test_a_batch_smaller_than_the_ranks_updates_as_one_rank_does(spawned: Path) 
     assert all(torch.isfinite(v).all() for v in reference.values())
     moved = [n for n, v in tiny_policy(seed=3).state_dict().items() if not torch.equal(v, reference[n])]
     assert moved, "the value loss of the one step moved nothing"
-    for name, value in reference.items():
-        torch.testing.assert_close(sharded[name], value, rtol=1e-4, atol=2e-6, msg=name)
+    assert_same_update(sharded, reference)
 
 
 @pytest.fixture(params=sorted(WORLDS), ids=lambda w: f"world{w}")
@@ -269,9 +268,7 @@ def test_sharded_update_equals_one_replicated_rank(ranked: tuple, single) -> Non
     for case in WORLDS[world][1]:
         sharded = torch.load(tmp / f"params-{case.name}.pt")
         reference = single[case.kind]
-        assert set(sharded) == set(reference)
-        for name, value in reference.items():
-            torch.testing.assert_close(sharded[name], value, rtol=1e-4, atol=2e-6, msg=f"{case.name}: {name}")
+        assert_same_update(sharded, reference, case.name)
 
 
 def test_each_rank_holds_its_share(ranked: tuple) -> None:

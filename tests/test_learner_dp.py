@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from learner_helpers import algo_config, rollout_segments, tiny_policy
+from learner_helpers import algo_config, assert_same_update, rollout_segments, tiny_policy
 
 from vlaslurm.algos.batch import collate
 from vlaslurm.algos.learners import DataParallel, evaluate_all, make_learner
@@ -97,8 +97,7 @@ def test_two_ranks_equal_one_rank(ranked: Path, batch, kind: str, level: str, mi
     assert moved > len(single) // 2, "the update should change most parameters"
     for rank in range(WORLD):
         params = torch.load(ranked / f"params-{kind}-{level}-{micro}-{rank}.pt")
-        for name, value in single.items():
-            torch.testing.assert_close(params[name], value, rtol=1e-4, atol=2e-6, msg=f"rank {rank}: {name}")
+        assert_same_update(params, single, f"rank {rank}")
 
 
 @pytest.mark.parametrize("kind", SCHEDULED)
