@@ -38,6 +38,9 @@ QUICKSTART = REPO / "experiments" / "quickstart.yaml"
 # the settings they were measured with: from scratch, the success filter would drop every early (all-fail) group.
 GRPO_ALGO = {"type": "grpo", "group_size": 4, "advantage": "chunk", "success_filter": [0.0, 1.0], "clip": [0.2, 0.2]}
 ALGOS = ("ppo", "grpo")
+# A variant compared with PPO (`--algos ppo-action-value`): a value and an advantage per executed action of the
+# chunk (algo.value_level: action, RLinf-VLA's choice) instead of one per chunk.
+VARIANTS = {"ppo-action-value": {"value_level": "action"}}
 MODES = ("sync", "async")
 # A diagnostic configuration (`--modes sync-lag1`): sync whose generator serves the weights one version old
 # (runtime/roles/generator.py `WeightLag`): async's one-update feedback delay without async's other differences.
@@ -55,6 +58,8 @@ def run_one(algo: str, mode: str, seed: int, steps: int, root: Path) -> dict:
     from vlaslurm.spec import load_spec
 
     spec = yaml.safe_load(QUICKSTART.read_text())
+    if algo in VARIANTS:
+        spec["algo"].update(VARIANTS[algo])
     if algo == "grpo":
         shared = ("lr", "steps_per_update", "epochs", "minibatches", "logprob_level")
         spec["algo"] = {**{k: spec["algo"][k] for k in shared}, **GRPO_ALGO}
@@ -151,11 +156,12 @@ def report(results: List[dict], out: Path, meta: dict) -> None:
         "| algo | mode | seeds | env steps to 50% | s to 50% | env steps to 80% | s to 80% | final success |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for algo in ALGOS:
+    for algo in (*ALGOS, *[a for a in VARIANTS if any(r["algo"] == a for r in results)]):
         for mode in (*MODES, *[m for m in LAGGED if any(r["mode"] == m for r in results)]):
             runs = [r for r in results if r["algo"] == algo and r["mode"] == mode]
             if not runs:
-                lines.append(f"| {algo} | {mode} | 0 | missing | | | | |")
+                if algo in ALGOS and mode in MODES:  # the variants and the diagnostic run where asked only
+                    lines.append(f"| {algo} | {mode} | 0 | missing | | | | |")
                 continue
             cells = [len(runs)]
             for level in ("to_50", "to_80"):
@@ -238,6 +244,8 @@ def plot(results: List[dict], path: Path) -> None:
         ("grpo", "async"): "tab:red",
         ("ppo", "sync-lag1"): "tab:purple",
         ("grpo", "sync-lag1"): "tab:brown",
+        ("ppo-action-value", "sync"): "tab:cyan",
+        ("ppo-action-value", "async"): "tab:olive",
     }
     for (algo, mode), colour in colours.items():
         for i, r in enumerate(x for x in results if x["algo"] == algo and x["mode"] == mode):
@@ -262,7 +270,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=80_000)
-    parser.add_argument("--algos", nargs="+", default=list(ALGOS))
+    parser.add_argument("--algos", nargs="+", default=list(ALGOS), choices=[*ALGOS, *VARIANTS])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=[*MODES, *LAGGED])
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--report-only", action="store_true")
