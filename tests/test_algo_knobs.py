@@ -19,7 +19,8 @@ from vlaslurm.spec.algo_types import GRPOConfig, PPOConfig
 
 @pytest.fixture(scope="module")
 def batch():
-    return collate(rollout_segments(tiny_policy(seed=1), num_envs=4, chunks=4))
+    """Sampled by the policy the tests then train (tiny_policy(seed=3)): a first update is on-policy."""
+    return collate(rollout_segments(tiny_policy(seed=3), num_envs=4, chunks=4))
 
 
 def test_k3_is_unbiased_for_the_exact_kl():
@@ -97,7 +98,9 @@ def test_reward_scale_scales_ppo_returns_and_advantages(batch):
 
 @pytest.fixture(scope="module")
 def grpo_batch():
-    return collate(rollout_segments(tiny_policy(seed=1), num_envs=8, chunks=12, group_size=4, seed=3))
+    """Groups of 4 where the random policy's successes are rare: some groups all fail, one has a success (the
+    seed is one whose rollouts have both; the test checks that first)."""
+    return collate(rollout_segments(tiny_policy(seed=1), num_envs=8, chunks=12, group_size=4, seed=0))
 
 
 def test_grpo_defaults_are_the_papers_recipe(grpo_batch):
@@ -108,6 +111,7 @@ def test_grpo_defaults_are_the_papers_recipe(grpo_batch):
     adv, used, info = learner.advantages(grpo_batch)
     lay = episode_layout(grpo_batch, 4)
     rate = {int(g): float(lay.success[lay.usable & (lay.group == g)].float().mean()) for g in lay.group[lay.usable]}
+    assert any(0 < r < 1 for r in rate.values()) and any(r in (0, 1) for r in rate.values()), rate  # the fixture's
     used_groups = {int(lay.group[lay.episode[r]]) for r in used.nonzero(as_tuple=True)[0]}
     assert used_groups and all(0.0 < rate[g] < 1.0 for g in used_groups)  # all-same groups are dropped
     assert any(rate[g] in (0.0, 1.0) for g in rate) and info["grpo/episodes_dropped"] > 0
