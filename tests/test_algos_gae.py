@@ -207,3 +207,65 @@ def test_flatten_roundtrip_and_expand():
     assert torch.equal(unflatten_chunks(flat, 4), x)
     e = expand_chunk(torch.tensor([[1.0, 2.0]]), 3)
     assert e.shape == (1, 2, 3) and e[0, 1].tolist() == [2.0, 2.0, 2.0]
+
+
+def ref_vtrace_advantage(deltas, gammas, done, traces, lam, s):
+    """V-trace's advantage of step s written as its sum (not the recursion): sum over t >= s up to the end of the
+    episode of (gamma lam)^(t - s) x the traces of steps s+1 .. t x delta_t (gammas per step)."""
+    total, weight = 0.0, 1.0
+    for t in range(s, len(deltas)):
+        if t > s:
+            weight *= gammas[t - 1] * lam * traces[t]
+        total += weight * deltas[t]
+        if done[t]:
+            break
+    return total
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_traced_gae_is_the_vtrace_sum(seed):
+    rng = random.Random(seed)
+    T, N, gamma, lam = 10, 3, 0.97, 0.9
+    rewards, values, next_values, terminated, truncated = random_batch(rng, T, N)
+    traces = uniform(rng, T, N).abs()  # in [0, 1]
+    adv, ret = compute_gae(rewards, values, next_values, terminated, truncated, gamma, lam, traces)
+    assert torch.equal(ret, adv + values)
+    for n in range(N):
+        done = [bool(terminated[t, n] or truncated[t, n]) for t in range(T)]
+        boot = [0.0 if terminated[t, n] else float(next_values[t, n]) for t in range(T)]
+        deltas = [float(rewards[t, n]) + gamma * boot[t] - float(values[t, n]) for t in range(T)]
+        want = [ref_vtrace_advantage(deltas, [gamma] * T, done, column(traces, n), lam, s) for s in range(T)]
+        assert adv[:, n].tolist() == pytest.approx(want, abs=1e-10)
+    plain = compute_gae(rewards, values, next_values, terminated, truncated, gamma, lam)[0]
+    ones = compute_gae(rewards, values, next_values, terminated, truncated, gamma, lam, torch.ones(T, N))[0]
+    assert torch.equal(ones, plain)  # fresh samples: traces of 1 are plain GAE
+
+
+def test_vtrace_traces_per_decision_and_per_action():
+    from vlaslurm.algos.offpolicy import vtrace_traces
+
+    behaviour = torch.zeros(1, 2, 3)
+    proximal = torch.tensor([[[-0.5, 0.2, 9.0], [0.3, 0.4, 0.0]]])
+    mask = torch.tensor([[[True, True, False], [True, True, True]]])  # the first chunk's third action not executed
+    per_decision = vtrace_traces(proximal, behaviour, mask, per_action=False)
+    assert per_decision[0].tolist() == pytest.approx([math.exp(-0.3), 1.0])  # the chunk's ratios multiplied, capped
+    per_action = vtrace_traces(proximal, behaviour, mask, per_action=True)
+    assert per_action[0].flatten().tolist() == pytest.approx([math.exp(-0.5), 1.0, 1.0, 1.0, 1.0, 1.0])
+    tokens = torch.stack([proximal, proximal], dim=-1) / 2  # two action dimensions, their log-probs summed
+    assert torch.allclose(vtrace_traces(tokens, torch.zeros(1, 2, 3, 2), mask, per_action=False), per_decision)
+
+
+def test_action_level_traces_weigh_each_action():
+    """A zero trace on an action stops what follows it from reaching the actions before it; ones change nothing."""
+    T, N, C = 2, 1, 2
+    rewards = torch.tensor([[[1.0, 2.0]], [[4.0, 8.0]]])
+    values = torch.zeros(T, N, C)
+    mask = torch.ones(T, N, C, dtype=torch.bool)
+    flags = torch.zeros(T, N, dtype=torch.bool)
+    args = (rewards, values, torch.zeros(T, N), mask, flags, flags, 1.0, 1.0)
+    plain = action_level_gae(*args)[0]
+    assert torch.equal(action_level_gae(*args, torch.ones(T, N, C))[0], plain)
+    assert plain.flatten().tolist() == [15.0, 14.0, 12.0, 8.0]  # lam = gamma = 1: rewards-to-go over actions
+    cut = torch.ones(T, N, C)
+    cut[1, 0, 0] = 0.0  # the second chunk's first action: the current policy would not take it
+    assert action_level_gae(*args, cut)[0].flatten().tolist() == [3.0, 2.0, 12.0, 8.0]

@@ -216,3 +216,16 @@ def test_padded_nan_entries_do_not_leak_in_any_correction(correction):
     assert math.isfinite(loss.item()) and torch.isfinite(new.grad).all()
     assert new.grad[0, 1] == 0 and new.grad[1].eq(0).all() and new.grad[0, 0] != 0
     assert all(math.isfinite(float(v)) for v in stats.values())
+
+
+def test_decoupled_caps_its_behaviour_weight_with_its_own_cap():
+    """The behaviour weight proximal / behaviour = e^2 (7.39): kept under the decoupled cap of 10, cut to 2 by a
+    cap of 2; without a weight cap the tis cap applies (the old single knob)."""
+    new = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    args = (new, torch.zeros(1, dtype=torch.float64), torch.full((1,), -2.0, dtype=torch.float64), torch.ones(1))
+    _, wide = policy_loss(*args, 0.2, 0.2, "decoupled", tis_cap=2.0, weight_cap=10.0)
+    _, tight = policy_loss(*args, 0.2, 0.2, "decoupled", tis_cap=2.0, weight_cap=2.0)
+    _, fallback = policy_loss(*args, 0.2, 0.2, "decoupled", tis_cap=2.0)
+    assert float(wide["losses/is_weight"]) == pytest.approx(math.exp(2.0))
+    assert float(wide["losses/is_capfrac"]) == 0.0 and float(tight["losses/is_capfrac"]) == 1.0
+    assert float(tight["losses/is_weight"]) == 2.0 == float(fallback["losses/is_weight"])

@@ -51,3 +51,23 @@ def test_ppo_runs_with_every_knob():
     )
     stats = make_learner(cfg, tiny_policy(seed=3), DataParallel(None, 0, 1), 7).update(batch, version=1)
     assert stats["losses/value_loss"] > 0 and all(math.isfinite(v) for v in stats.values())
+
+
+@pytest.mark.parametrize("value_level", ["chunk", "action"])
+def test_vtrace_traces_change_only_stale_samples_advantages(value_level):
+    """gae_traces: vtrace gives plain GAE where the proximal policy is the behaviour one (fresh samples), and
+    damps what later steps contribute where the current policy would take their actions less often."""
+    batch = collate(rollout_segments(tiny_policy(seed=1), num_envs=4, chunks=6))
+    t = batch.tensors
+    cfg = dict(type="ppo", logprob_level="action", value_level=value_level, gamma=0.99, gae_lambda=0.95)
+    traced = make_learner(PPOConfig(**cfg, gae_traces="vtrace"), tiny_policy(seed=3), DataParallel(None, 0, 1), 0)
+    plain = make_learner(PPOConfig(**cfg, gae_traces="none"), tiny_policy(seed=3), DataParallel(None, 0, 1), 0)
+    (n, T), chunk = t["step_valid"].shape, t["mask"].shape[2]
+    values = torch.linspace(-1, 1, n * (T + 1) * chunk).reshape(n, T + 1, chunk)  # a value per action slot
+    values = values[..., 0] if value_level == "chunk" else values
+    fresh = t["logprob"].clone()
+    assert torch.equal(traced.advantages(batch, values, fresh)[0], plain.advantages(batch, values, fresh)[0])
+    stale = fresh - 0.5  # the current policy likes every stored action less than the sampling one did
+    damped, undamped = traced.advantages(batch, values, stale)[0], plain.advantages(batch, values, stale)[0]
+    assert not torch.equal(damped, undamped)
+    assert torch.equal(plain.advantages(batch, values, stale)[0], plain.advantages(batch, values)[0])

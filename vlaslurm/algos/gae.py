@@ -4,12 +4,14 @@ Tensors are time-major, ``[T, N]`` = steps x env instances: ``rewards``, ``value
 ``next_values`` (V after step t; for a done step the episode's final observation, so truncated
 episodes bootstrap), ``terminated`` (no bootstrap) and ``truncated`` (bootstrap); either flag cuts
 the recursion. Chunk level: one decision step per chunk (`chunk_rewards`, `compute_gae`); action
-level: one step per action (`action_level_gae`). Details: docs/algorithms.md
+level: one step per action (`action_level_gae`). With `traces` (V-trace's truncated importance weights
+of each step's action, `offpolicy.vtrace_traces`) the advantages are the current policy's on stale samples.
+Details: docs/algorithms.md
 """
 
 from __future__ import annotations
 
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -23,11 +25,15 @@ def compute_gae(
     truncated: Tensor,
     gamma: Union[float, Tensor],
     lam: float,
+    traces: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """GAE(gamma, lambda) with partial resets; returns ``(advantages, returns)``, each ``[T, N]``.
 
     ``gamma`` is a float or a ``[T, N]`` tensor of per-step discounts (see ``chunk_rewards``).
-    ``returns = advantages + values`` are the value-function targets.
+    ``returns = advantages + values`` are the value-function targets. ``traces`` ``[T, N]``, each step's
+    ``c_t = min(1, pi(a_t) / mu(a_t))``: ``A_t = delta_t + gamma lam c_{t+1} A_{t+1}`` (V-trace / Retrace): a
+    later action the current policy would take less often than the sampling one did carries less of its
+    future into ``A_t``. All ones (or None) is plain GAE.
     """
     gamma_t = torch.as_tensor(gamma, dtype=values.dtype, device=values.device).expand_as(values)
     terminated, truncated = terminated.bool(), truncated.bool()
@@ -36,6 +42,8 @@ def compute_gae(
     deltas = rewards + gamma_t * bootstrap - values
     # Any done step cuts the recursion: the following step belongs to a new episode.
     carry = gamma_t * lam * (~(terminated | truncated)).to(values.dtype)
+    if traces is not None:  # step t carries A_{t+1} weighted by the trace of step t+1's action
+        carry = carry * torch.cat([traces[1:], torch.ones_like(traces[:1])])
 
     advantages = torch.zeros_like(values)
     last = torch.zeros_like(values[0])
@@ -86,6 +94,7 @@ def action_level_gae(
     truncated: Tensor,
     gamma: float,
     lam: float,
+    traces: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """GAE where each action of a chunk is its own step with its own value.
 
@@ -93,8 +102,8 @@ def action_level_gae(
     estimate before action ``k``); ``next_values, terminated, truncated: [T, N]`` as in
     ``compute_gae`` (chunk level). Action ``k`` bootstraps from ``values[t, :, k+1]``; the
     last valid action of the chunk bootstraps from ``next_values[t]`` and carries the chunk's
-    done flags. ``gamma`` and ``lam`` apply per env step. Returns ``(advantages, returns)``
-    ``[T, N, C]``, zero on padded actions.
+    done flags. ``gamma`` and ``lam`` apply per env step; ``traces`` ``[T, N, C]`` per action as in
+    ``compute_gae``. Returns ``(advantages, returns)`` ``[T, N, C]``, zero on padded actions.
     """
     valid = mask.bool()
     n_valid = valid.sum(-1, keepdim=True)
@@ -116,6 +125,7 @@ def action_level_gae(
         flatten_chunks(trunc | ~valid),
         gamma,
         lam,
+        None if traces is None else flatten_chunks(torch.where(valid, traces, torch.ones_like(traces))),
     )
     adv = torch.where(valid, unflatten_chunks(adv, C), zeros)
     return adv, torch.where(valid, adv + values, zeros)

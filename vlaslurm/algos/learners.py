@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from vlaslurm.algos.batch import TrainBatch, episode_layout
 from vlaslurm.algos.gae import action_level_gae, chunk_rewards, compute_gae, expand_chunk
 from vlaslurm.algos.grpo import group_advantages, group_advantages_per_step, reward_to_go, success_filter_mask
-from vlaslurm.algos.offpolicy import policy_loss
+from vlaslurm.algos.offpolicy import policy_loss, vtrace_traces
 from vlaslurm.algos.ppo import entropy_at_level, explained_variance, kl_k3, masked_mean, value_errors
 from vlaslurm.algos.reference import FrozenReference
 from vlaslurm.spec.algo_types import GRPO_ADVANTAGES, AlgoConfig, GRPOConfig, PPOConfig, SyntheticAlgoConfig
@@ -316,6 +316,7 @@ class PolicyStep:
             self.cfg.tis_cap,
             lmask,
             dual_clip=self.cfg.dual_clip,
+            weight_cap=self.cfg.behaviour_weight_cap,
         )
         entropy, units = entropy_at_level(out.entropy, mask, self.cfg.entropy_level, t["actions"].shape[-1])
         # Means over this micro-batch -> its part of the minibatch mean (exact under data parallelism).
@@ -404,9 +405,10 @@ class PPOLearner:
         self.step = PolicyStep(cfg, policy, dp, cfg.entropy_coef, trainer)
         self.opt = self.step.opt  # checkpoints save and restore it
 
-    def advantages(self, batch: TrainBatch, values: Tensor) -> Tuple[Tensor, Tensor]:
+    def advantages(self, batch: TrainBatch, values: Tensor, prox: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """GAE over each segment, bootstrapped from the last observation unless terminated: per decision step
-        ([N, T], `values` [N, T+1]) or per executed action (value_level: action, `values` [N, T+1, C])."""
+        ([N, T], `values` [N, T+1]) or per executed action (value_level: action, `values` [N, T+1, C]); with
+        `prox` (the proximal log-probs) and `algo.gae_traces: vtrace`, V-trace's traces of the stored actions."""
         t = batch.tensors
         n, T = t["step_valid"].shape
         last = torch.zeros(n, T, dtype=torch.bool, device=values.device)
@@ -415,8 +417,13 @@ class PPOLearner:
         terminated = (last & t["terminated"][:, None]) | padded
         truncated = last & ~t["terminated"][:, None]
         rewards = t["rewards"] * self.cfg.reward_scale
+        executed = t["mask"] & t["step_valid"][..., None]
+        traces = None
+        if prox is not None and self.cfg.gae_traces == "vtrace":
+            behaviour = t[behaviour_key(self.cfg.logprob_level)]
+            traces = vtrace_traces(prox, behaviour, executed, per_action=self.cfg.value_level == "action")
         if self.cfg.value_level == "action":
-            mask = t["mask"] & t["step_valid"][..., None]
+            mask = executed
             adv, ret = action_level_gae(
                 rewards.transpose(0, 1),
                 values[:, :T].transpose(0, 1),
@@ -426,11 +433,19 @@ class PPOLearner:
                 truncated.T,
                 self.cfg.gamma,
                 self.cfg.gae_lambda,
+                None if traces is None else traces.transpose(0, 1),
             )
             return adv.transpose(0, 1), ret.transpose(0, 1)
         reward, discount = chunk_rewards(rewards, t["mask"], self.cfg.gamma)
         adv, ret = compute_gae(
-            reward.T, values[:, :T].T, values[:, 1:].T, terminated.T, truncated.T, discount.T, self.cfg.gae_lambda
+            reward.T,
+            values[:, :T].T,
+            values[:, 1:].T,
+            terminated.T,
+            truncated.T,
+            discount.T,
+            self.cfg.gae_lambda,
+            None if traces is None else traces.T,
         )
         return adv.T, ret.T
 
@@ -440,7 +455,7 @@ class PPOLearner:
         per_action = self.cfg.value_level == "action"
         tokens = self.cfg.logprob_level == "token"
         values, prox = evaluate_all(self.policy, batch, True, self.dp, self.step.eval_chunk, tokens, per_action)
-        adv, ret = self.advantages(batch, values)
+        adv, ret = self.advantages(batch, values, prox)
         valid = t["step_valid"]
         scored = t["mask"] & valid[..., None] if per_action else valid  # where an advantage exists
         adv = normalised(adv, scored)

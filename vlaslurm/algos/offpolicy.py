@@ -4,7 +4,7 @@ Three log-probs of the same actions: ``behaviour`` (the sampling policy, from th
 ``proximal`` (the learner's weights at the start of the update, no grad) and ``new`` (with grad).
 Corrections (``AlgoConfig.offpolicy_correction``): ``none`` (PPO on ``new / behaviour``),
 ``decoupled`` (decoupled PPO: clip ``new / proximal``, weight by ``min(proximal / behaviour,
-tis_cap)``) and ``tis`` (truncated importance sampling, no clip). Details: docs/algorithms.md
+behaviour_weight_cap)``) and ``tis`` (truncated importance sampling, no clip, ``tis_cap``). Details: docs/algorithms.md
 """
 
 from __future__ import annotations
@@ -23,6 +23,21 @@ def truncated_is_weight(target_logprob: Tensor, behaviour_logprob: Tensor, cap: 
     """``min(pi_target / pi_behaviour, cap)``, detached."""
     with torch.no_grad():
         return (target_logprob - behaviour_logprob).exp().clamp(max=cap)
+
+
+def vtrace_traces(proximal: Tensor, behaviour: Tensor, mask: Tensor, per_action: bool) -> Tensor:
+    """V-trace's traces ``min(1, proximal / behaviour)`` of the executed actions, for `gae`'s ``traces``:
+    per decision step (``[N, T]``: the chunk's executed actions' ratios multiplied) or, with `per_action`, per
+    action (``[N, T, C]``). Log-probs ``[N, T, C]``, or ``[N, T, C, A]`` per token (summed over A); `mask`
+    ``[N, T, C]`` the executed actions."""
+    with torch.no_grad():
+        log_ratio = proximal - behaviour
+        if log_ratio.ndim == 4:
+            log_ratio = log_ratio.sum(-1)
+        log_ratio = torch.where(mask.bool(), log_ratio, torch.zeros_like(log_ratio))
+        if not per_action:
+            log_ratio = log_ratio.sum(-1)
+        return log_ratio.clamp(max=0.0).exp()
 
 
 def _weight_stats(target: Tensor, behaviour: Tensor, cap: float, mask: Optional[Tensor]) -> Stats:
@@ -68,10 +83,12 @@ def policy_loss(
     mask: Optional[Tensor] = None,
     reduction: str = "token",
     dual_clip: Optional[float] = None,
+    weight_cap: Optional[float] = None,
 ) -> Tuple[Tensor, Stats]:
     """Policy loss with the chosen off-policy ``correction`` (``none``, ``decoupled``, ``tis``).
 
-    Shapes as in ``ppo.ppo_policy_loss``. ``proximal_logprob`` is only read by ``decoupled``.
+    Shapes as in ``ppo.ppo_policy_loss``. ``proximal_logprob`` is only read by ``decoupled``, which caps its
+    behaviour weight at ``weight_cap`` (``tis_cap`` if None); ``tis`` caps its ratio at ``tis_cap``.
     ``reduction``: ``token`` (mean over valid entries) or ``sequence`` (GRPO: per-row mean).
     """
     if correction == "none":
@@ -79,11 +96,12 @@ def policy_loss(
             new_logprob, behaviour_logprob, advantages, clip_low, clip_high, mask, None, reduction, dual_clip
         )
     if correction == "decoupled":
-        weight = truncated_is_weight(proximal_logprob, behaviour_logprob, tis_cap)
+        cap = tis_cap if weight_cap is None else weight_cap
+        weight = truncated_is_weight(proximal_logprob, behaviour_logprob, cap)
         loss, stats = ppo_policy_loss(
             new_logprob, proximal_logprob, advantages, clip_low, clip_high, mask, weight, reduction, dual_clip
         )
-        stats.update(_weight_stats(proximal_logprob, behaviour_logprob, tis_cap, mask))
+        stats.update(_weight_stats(proximal_logprob, behaviour_logprob, cap, mask))
         return loss, stats
     if correction == "tis":
         return tis_policy_loss(new_logprob, behaviour_logprob, advantages, tis_cap, mask, reduction)

@@ -27,7 +27,15 @@ class AlgoConfig:
     offpolicy_correction: Literal["none", "decoupled", "tis"] = doc(
         "decoupled", "Stale-sample correction: none, decoupled (decoupled PPO) or tis (truncated IS)."
     )
-    tis_cap: float = doc(2.0, "Upper bound of the behaviour importance weight.")
+    tis_cap: float = doc(
+        2.0, "tis: upper bound of the importance weight new / behaviour (with several epochs, all that bounds a step)."
+    )
+    behaviour_weight_cap: float = doc(
+        10.0,
+        "decoupled: upper bound of the behaviour weight proximal / behaviour (AReaL's behav_imp_weight_cap); the "
+        "clip bounds the step, so the cap only bounds variance, and a tight one (2) cut the weight of the actions "
+        "the current policy learned to prefer (issue 17's measurements).",
+    )
     logprob_level: Level = doc("chunk", "Granularity of log-probs.")
     dual_clip: Optional[float] = doc(
         None, "Dual-clip PPO's c > 1 (RLinf's clip_ratio_c, e.g. 3): a negative advantage's loss is at most -c A."
@@ -60,6 +68,12 @@ class PPOConfig(AlgoConfig):
     value_coef: float = doc(0.5, "Weight of the value loss.")
     entropy_coef: float = doc(0.0, "Weight of the entropy bonus.")
     value_level: Literal["action", "chunk"] = doc("chunk", "Value and advantage granularity: action or chunk.")
+    gae_traces: Literal["vtrace", "none"] = doc(
+        "vtrace",
+        "vtrace: each step's advantage carries later steps' TD errors weighted by V-trace's truncated ratios "
+        "min(1, proximal / behaviour), so stale samples give the current policy's advantages (1 on fresh "
+        "samples: plain GAE); none: plain GAE of the sampling policy's trajectory.",
+    )
     value_clip: Optional[float] = doc(
         None, "Clip the value's change to +-value_clip around the value before the update (None: no clipping)."
     )

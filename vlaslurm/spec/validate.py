@@ -272,6 +272,9 @@ def _check_algo(loaded: LoadedSpec) -> None:
     algo_cfg = loaded.spec.algo
     if algo_cfg.dual_clip is not None and not algo_cfg.dual_clip > 1:
         raise loaded.error("algo.dual_clip", f"must be greater than 1 (or null), got {algo_cfg.dual_clip}")
+    for key in ("tis_cap", "behaviour_weight_cap"):
+        if not getattr(algo_cfg, key) > 0:
+            raise loaded.error(f"algo.{key}", f"must be greater than 0, got {getattr(algo_cfg, key)}")
     value_clip = getattr(algo_cfg, "value_clip", None)
     if value_clip is not None and not value_clip > 0:
         raise loaded.error("algo.value_clip", f"must be greater than 0 (or null), got {value_clip}")
