@@ -12,7 +12,8 @@ from vlaslurm.spec.algo_types import GRPOConfig
 
 
 def advantages(kind: str):
-    batch = collate(rollout_segments(tiny_policy(seed=1), num_envs=8, chunks=12, group_size=4, seed=3))
+    # rollouts with a group that has a success (the default success filter drops groups that all fail)
+    batch = collate(rollout_segments(tiny_policy(seed=1), num_envs=8, chunks=12, group_size=4, seed=0))
     cfg = GRPOConfig(type="grpo", group_size=4, advantage=kind)
     learner = make_learner(cfg, tiny_policy(seed=1), DataParallel(None, 0, 1), seed=0)
     adv, used, _ = learner.advantages(batch)
