@@ -19,8 +19,14 @@ Per decision (means; lock-step: over the decisions with no update between them):
 start of the batch that serves its next request (bookkeeping, transport, the generator's wake-up, and in
 pipelined modes the other sub-groups' batches ahead of it), `forward`, `reply` = the batch's end to the
 next chunk's start (transport, decoding, thread wake-ups), `chunk` = the env step(s), device queue included.
+Each of request and reply in three parts, from the runtime's own records: request = `sim` (the chunk's end to
+its next request's time stamp: the main thread's wake-up, the chunk's bookkeeping, building the request) + `to
+gen` (encode, MAC, send, ZeroMQ and the generator's wake-up, verify, decode; and any forward the generator is
+busy with when it arrives) + `wait` (in the generator, to the batch's start: its loop, batching, other
+batches); reply = `out` (outputs to the host, records, encode and send the replies) + `to sim` (ZeroMQ, the
+simulator's wake-up, verify, decode) + `hand` (to the stepping thread).
 Targets (issue 20): pipelined k=2 >= 1.6x sync and >= 0.9 of its ideal on `device`; every mode >= 0.85 of
-its ideal on `parallel`.
+its ideal on `parallel`; the transport round trip of a 224x224 image request <= 250 us.
 """
 
 from __future__ import annotations
@@ -115,6 +121,9 @@ def run(name: str, step_ms: dict, rollout: dict, depth: int, steps: int, root: P
     }
 
 
+PARTS = ("request", "sim", "to gen", "wait", "forward", "reply", "out", "to sim", "hand", "chunk")
+
+
 def breakdown(chunks: List[dict], batches: List[dict], lockstep: bool) -> Dict[str, float]:
     """Mean ms per decision of each part (the module docstring). A chunk's `g` is its sub-group (lock-step)
     or its environment (async); a batch names the sub-groups or environments it served."""
@@ -122,16 +131,29 @@ def breakdown(chunks: List[dict], batches: List[dict], lockstep: bool) -> Dict[s
     for b in sorted(batches, key=lambda b: b["t0"]):
         for key in b["g"] if lockstep else sorted({item[0] for item in b["items"]}):
             served.setdefault(key, []).append(b)
-    parts: Dict[str, List[float]] = {"request": [], "forward": [], "reply": [], "chunk": []}
+    replied = dict(b["replied"] for b in batches if "replied" in b)  # batch start -> its replies sent (next record)
+    parts: Dict[str, List[float]] = {name: [] for name in PARTS}
     for key, mine in served.items():
         own = sorted((c for c in chunks if c["g"] == key), key=lambda c: c["t0"])
         for i, (chunk, batch) in enumerate(zip(own, mine)):  # batch i served the actions of chunk i
             parts["forward"].append(batch["t1"] - batch["t0"])
             parts["reply"].append(chunk["t0"] - batch["t1"])
             parts["chunk"].append(chunk["t1"] - chunk["t0"])
+            tx, rx = replied.get(batch["t0"], -1.0), chunk.get("rx", -1.0)
+            if tx >= batch["t1"] and rx >= tx:
+                parts["out"].append(tx - batch["t1"])
+                parts["to sim"].append(rx - tx)
+                parts["hand"].append(chunk["t0"] - rx)
             # lock-step: not across a phase's end, where the wait is the update's (async never waits for one)
             if i + 1 < len(mine) and not (lockstep and mine[i + 1]["v"] != batch["v"]):
-                parts["request"].append(mine[i + 1]["t0"] - chunk["t1"])
+                nxt = mine[i + 1]
+                parts["request"].append(nxt["t0"] - chunk["t1"])
+                asked = [r for r in nxt.get("req", []) if (r[0] if lockstep else r[1]) == key]
+                if asked and asked[0][2] >= chunk["t1"]:
+                    _, _, sent, arrived = asked[0]
+                    parts["sim"].append(sent - chunk["t1"])
+                    parts["to gen"].append(arrived - sent)
+                    parts["wait"].append(nxt["t0"] - arrived)
     return {name: 1000 * float(np.mean(values)) for name, values in parts.items() if values}
 
 
@@ -145,8 +167,11 @@ def markdown(out: dict) -> str:
         f"decision, forward {FORWARD_MS['base']} ms + {FORWARD_MS['per_item']} ms/item, {out['steps']} env steps "
         "per run; ideal = the placement model's simulation of the same spec with the runtime's own cost at zero.",
         "",
-        "| workload | mode | env steps/s | ideal | of ideal | vs sync | request | forward | reply | chunk (ms) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "Per decision, ms (the module docstring says what each part holds): request = sim + to gen + wait, "
+        "reply = out + to sim + hand.",
+        "",
+        "| workload | mode | env steps/s | ideal | of ideal | vs sync | " + " | ".join(PARTS) + " |",
+        "|---|---|---:|---:|---:|---:|" + "---:|" * len(PARTS),
     ]
     for work, modes in out["workloads"].items():
         sync = modes.get("sync", {}).get("steps_per_s")
@@ -155,12 +180,23 @@ def markdown(out: dict) -> str:
             vs = f"{r['steps_per_s'] / sync:.2f}" if sync else "-"
             lines.append(
                 f"| {work} | {name} | {r['steps_per_s']:.0f} | {r['ideal_steps_per_s']:.0f} | {r['of_ideal']:.2f} | "
-                f"{vs} | {d.get('request', float('nan')):.2f} | {d['forward']:.2f} | {d['reply']:.2f} | "
-                f"{d['chunk']:.2f} |"
+                f"{vs} | " + " | ".join(f"{d.get(part, float('nan')):.2f}" for part in PARTS) + " |"
             )
+    if "transport_us" in out:
+        t = out["transport_us"]
+        lines += [
+            "",
+            f"Transport (`python -m vlaslurm.runtime.transport`, in one process, median of 1000): a request with a "
+            f"224x224x3 image and its reply round-trip in {t['vlaslurm_us']:.0f} us ({t['raw_zmq_us']:.0f} us for "
+            f"the same bytes through bare pyzmq; the MAC of the image {t['mac_us']:.0f} us).",
+        ]
     lines += ["", "Targets (issue 20):"]
     for text, value, target in out["targets"]:
-        lines.append(f"- {text}: {value:.3f} (target >= {target}): {'met' if value >= target else 'NOT met'}")
+        below = text.endswith(" us")  # a time: at most the target
+        met = value <= target if below else value >= target
+        lines.append(
+            f"- {text}: {value:.3f} (target {'<=' if below else '>='} {target}): {'met' if met else 'NOT met'}"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -200,10 +236,14 @@ def main() -> int:
                     f"({r['of_ideal']:.2f}); per decision (ms) {json.dumps(r['decision_ms'])}",
                     flush=True,
                 )
+    from vlaslurm.runtime.transport import benchmark as transport_benchmark
+
+    transport = transport_benchmark(rounds=1000)  # a 224x224x3 image request and its reply, loopback
     out = {
         "steps": args.steps,
         "workloads": results,
-        "targets": targets(results),
+        "transport_us": transport,
+        "targets": targets(results) + [("transport round trip, 224x224 image, us", transport["vlaslurm_us"], 250.0)],
         "machine": {
             "cpus": os.cpu_count(),
             "load_avg_1m_at_start": load_at_start,

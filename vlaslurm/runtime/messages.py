@@ -175,6 +175,7 @@ class ActReply:
     token_logprob: Optional[np.ndarray] = None  # float32 [n, C, A], from policies whose actions factorise by token
     # What the policy needs again to evaluate these actions (PolicyOutput.replay; pi0: its denoising path), [n, ...]
     replay: Optional[Dict[str, np.ndarray]] = None
+    received_at: float = 0.0  # run clock, when the simulator took it off its socket (not on the wire)
 
 
 REPLAY = "replay."  # the prefix of a replay tensor's array name, in replies and segments

@@ -65,6 +65,7 @@ class Pending:
     request: msgs.ObsRequest
     arrived: float
     told_held: float = 0.0  # when the simulator was last told that this request is held
+    arrived_at: float = 0.0  # run clock (comparable with the simulator's records), for the decision breakdown
 
 
 class Batcher:
@@ -223,6 +224,7 @@ class Generator:
             report=OffloadReporter.of(ctx, "generator", cfg.layout),
         )
         self.taken = -1  # newest version whose phase the trainer took (lock-step): its model may leave the GPU
+        self.replied = [-1.0, -1.0]  # run clock: the last batch's start, and when its replies were sent
         self.weight_lag = WeightLag.from_env()
         if self.weight_lag is not None:
             lag = self.weight_lag.versions
@@ -253,7 +255,8 @@ class Generator:
             else:  # the router, the poller's only other socket; it takes only `obs` (msgs.GENERATOR_INTAKE)
                 while (got := self.router.recv(0)) is not None:
                     peer, msg = got
-                    self.batcher.pending.append(Pending(peer, msgs.decode_obs(msg), time.monotonic()))
+                    pending = Pending(peer, msgs.decode_obs(msg), time.monotonic(), arrived_at=self.ctx.now())
+                    self.batcher.pending.append(pending)
         self.counters.sample("queue_len", sum(len(p.request) for p in self.batcher.pending))
         for name, count in rejection_counts(
             self.router,
@@ -316,12 +319,16 @@ class Generator:
             inc=self.incarnation,
             g=sorted({r.sub_group for r in requests}),
             items=items,
+            # per request, in the batch's order: (sub-group, first environment, sent, arrived) for the breakdown
+            req=[[p.request.sub_group, p.request.env_ids[0], p.request.sent_at, p.arrived_at] for p in batch],
+            replied=self.replied,  # the previous batch's start and when its replies went out (recorded before them)
         )
         by_peer: Dict[bytes, List[msgs.ActReply]] = {}  # one message per simulator for all its requests
         for p, reply in replies(batch, self.version, self.ctx.rank, actions, logprob, value, tokens, replay):
             by_peer.setdefault(p.peer, []).append(reply)
         for peer, answers in by_peer.items():
             self.reply(peer, msgs.encode_acts(answers))
+        self.replied = [t0, self.ctx.now()]
         now = time.monotonic()
         for p in batch:
             self.counters.sample("request_latency_s", now - p.arrived)

@@ -187,7 +187,11 @@ class SimulatorIO:
                 if msg.kind == msgs.CTL:
                     self._announced(msg)
                 elif msg.kind == msgs.ACT:
-                    replies += [r for r in msgs.decode_acts(msg) if self._first_answer(r)]
+                    now = self.ctx.now()
+                    for reply in msgs.decode_acts(msg):
+                        reply.received_at = now
+                        if self._first_answer(reply):
+                            replies.append(reply)
                 elif msg.kind == msgs.HELD:
                     env_ids, gen_rank = msgs.decode_held(msg)
                     self.held += env_ids
@@ -516,7 +520,14 @@ class Stepper:
                 raise result
             self.sim.counters.busy(t1 - t0)
             self.sim.events.add(
-                "step", t0=t0, t1=t1, g=g, v=reply.version, n=len(locals_), steps=int(result.mask.sum())
+                "step",
+                t0=t0,
+                t1=t1,
+                g=g,
+                v=reply.version,
+                n=len(locals_),
+                steps=int(result.mask.sum()),
+                rx=reply.received_at,
             )
             out.append((g, reply, result))
         return out
