@@ -216,3 +216,28 @@ def test_cli_eval_local_then_show_and_bad_episode_counts(tmp_path: Path, capsys)
     assert main(["--runs-root", str(tmp_path / "runs"), "eval", spec, "--episodes", "1", "--local"]) == USER_ERROR
     assert "--episodes 1 is fewer than the spec's 2 tasks (env.tasks)" in capsys.readouterr().err
     assert len(list((tmp_path / "runs" / "ev-eval").iterdir())) == runs
+
+
+def test_evaluation_while_training_runs_beside_the_rollouts(tmp_path: Path) -> None:
+    """eval.every_versions: trainer rank 0 hands the weights of every third version to a process beside it; each
+    evaluation that ran left its line (the same 4 episodes, both tasks) and eval.json, and its weights were removed.
+    One still running when the next is due makes that one skipped, so at least the first one runs."""
+    from runtime_helpers import run_spec, synthetic_spec
+
+    from vlaslurm.rundir import RunDir
+
+    spec = synthetic_spec("async", total_env_steps=960, steps_per_update=64, max_staleness=1000, stale_policy="drop")
+    spec["env"].update(tasks=["a", "b"], success_prob=0.5)
+    spec["eval"] = {"every_versions": 3, "episodes": 4, "keep_failed": 1}
+    run = run_spec(tmp_path, spec)
+    assert run.rc == 0, run.log("trainer", 0)[-2000:]
+    layout = RunDir(run.run_dir)
+    lines = [json.loads(line) for line in layout.evals_log.read_text().splitlines()]
+    versions = [line["version"] for line in lines]
+    assert versions and versions == sorted(set(versions)) and all(v % 3 == 0 for v in versions), versions
+    for line in lines:
+        assert line["episodes"] == 4 and 0.0 <= line["success_rate"] <= 1.0 and line["env_steps"] >= 64 * 3
+        assert {"success/a", "success/b"} <= set(line)
+        summary = json.loads(RunDir(layout.periodic_eval(line["version"])).eval.read_text())
+        assert summary["episodes_per_task"] == {"a": 2, "b": 2}
+        assert not layout.periodic_eval_weights(line["version"]).exists()

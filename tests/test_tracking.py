@@ -183,6 +183,37 @@ def test_follower_resumes_after_what_was_sent_even_when_a_resume_cut_the_file(tm
     assert [r.step for r in follower.poll()] == [256]
 
 
+def test_follower_sends_evaluations_while_training_and_their_gifs(tmp_path):
+    """Each evaluation line becomes eval/... metrics at the env steps its version was trained on; its failed
+    episodes' GIFs are named for upload beside the training ones."""
+    from vlaslurm.rundir import RunDir
+
+    layout = RunDir(tmp_path)
+    gif = layout.periodic_eval(3) / layout.failures.name / "a" / "0.gif"
+    gif.parent.mkdir(parents=True)
+    gif.write_bytes(b"GIF89a")
+    train_gif = layout.failures / "b" / "1.gif"
+    train_gif.parent.mkdir(parents=True)
+    train_gif.write_bytes(b"GIF89a")
+    line = {"version": 3, "env_steps": 192, "success_rate": 0.5, "episodes": 4, "success/a": 0.0, "success/b": 1.0}
+    layout.evals_log.write_text(json.dumps(line) + "\n" + '{"version": 6, "env')  # the second still being written
+    follower = RunFollower(tmp_path)
+    rows = follower.eval_rows()
+    assert [r.step for r in rows] == [192]
+    assert rows[0].metrics == {
+        "eval/version": 3.0,
+        "eval/env_steps": 192.0,
+        "eval/success_rate": 0.5,
+        "eval/episodes": 4.0,
+        "eval/success/a": 0.0,
+        "eval/success/b": 1.0,
+    }
+    assert follower.eval_rows() == []
+    found = follower.new_failures()
+    assert found == sorted([gif, train_gif]) and follower.new_failures() == []
+    assert {p.parent.relative_to(tmp_path).as_posix() for p in found} == {"evals/v00000003/failures/a", "failures/b"}
+
+
 def test_flatten():
     assert flatten({"a": {"b": 1, "c": [1, 2]}, "d": None}) == {"a.b": "1", "a.c": "[1, 2]", "d": "None"}
 

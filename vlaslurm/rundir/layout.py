@@ -8,6 +8,7 @@
     events/ counters/ heartbeats/ probe/   <role>-<rank>.json(l)
     rendezvous/<job-key>/  weights/  checkpoints/v<version>/  checkpoints/fallbacks.jsonl  final_model/
     eval/sim-<rank>.json  failed/ (eval trajectories)  failures/<task>/<n>.gif  tracking/ (tracker state)
+    evals.jsonl  evals/v<version>/{weights.pt, eval.json, failed/, failures/<task>/<n>.gif} (eval while training)
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ FAILED = "failed"  # eval's failed trajectories (.npz)
 EVAL_PARTS = "eval"  # eval/sim-<rank>.json: each simulator rank's outcomes, merged into eval.json by rank 0
 FAILURES = "failures"  # GIFs of failed training episodes, per task
 TRACKING = "tracking"  # what the tracker keeps besides MLflow's own store
+EVALS = "evals"  # evals/v<version>/: an evaluation while training (eval.periodic), laid out as an eval run
+EVALS_LOG = "evals.jsonl"  # one line per finished evaluation while training
+EVAL_WEIGHTS = "weights.pt"  # inside evals/v<version>/: the weights evaluated (removed once read)
 MLFLOW_RUN_ID = "mlflow_run_id"  # the MLflow run the tracker created
 PROFILE_ARTIFACTS = "profile*"  # profiler output a user leaves in the run directory: logged as artifacts
 PROFILES = ".profiles"  # placement profiles, under the runs root
@@ -103,6 +107,14 @@ class RunDir:
     failed = property(lambda self: self.root / FAILED)
     failures = property(lambda self: self.root / FAILURES)
     tracking = property(lambda self: self.root / TRACKING)
+    evals = property(lambda self: self.root / EVALS)
+    evals_log = property(lambda self: self.root / EVALS_LOG)
+
+    def periodic_eval(self, version: int) -> Path:
+        return self.evals / f"v{version:08d}"
+
+    def periodic_eval_weights(self, version: int) -> Path:
+        return self.periodic_eval(version) / EVAL_WEIGHTS
 
     def checkpoint(self, version: int) -> Path:
         return self.checkpoints / f"v{version:08d}"

@@ -17,7 +17,7 @@ import traceback
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, cast
 
 import numpy as np
 import torch
@@ -195,20 +195,27 @@ def evaluate(
     from vlaslurm.spec.plan import job_run_name
 
     cfg = EvalConfig(episodes, keep_failed, deterministic)
+    check_every_task_played(loaded.spec, episodes)
+    directory = rundir.new_run_dir(runs_root, job_run_name(loaded.spec.name, "eval"))
     spec = loaded.spec
-    check_every_task_played(spec, episodes)
-    directory = rundir.new_run_dir(runs_root, job_run_name(spec.name, "eval"))
-    env = make_env(spec.env, num_envs=min(spec.env.num_envs, episodes), rank=0, seed=spec.rollout.seed)
-    policy = build_policy(spec.model, **env_dims(env, spec.env)).eval()
-    outcomes = Outcomes(directory, keep_failed)
+    play(spec, directory, cfg, lambda env: build_policy(spec.model, **env_dims(env, spec.env)), str(loaded.path))
+    return directory
+
+
+def play(
+    spec: ExperimentSpec, directory: Path, cfg: EvalConfig, make_policy: Callable[[VecEnv], object], spec_path: str
+) -> dict:
+    """`cfg.episodes` episodes in this process of the policy `make_policy(env)` builds; the result in `directory`
+    (`RunDir.eval`, returned; `spec_path` names the spec there) and its failed trajectories (`Outcomes`)."""
+    env = make_env(spec.env, num_envs=min(spec.env.num_envs, cfg.episodes), rank=0, seed=spec.rollout.seed)
+    outcomes = Outcomes(directory, cfg.keep_failed)
     try:
+        policy = cast("torch.nn.Module", make_policy(env)).eval()
         act = local_act(policy, cfg, spec.rollout.seed)
-        to_env = env_action_transform(spec.model)
-        run_episodes(env, 0, spec.env.num_envs, cfg, spec.rollout.seed, act, outcomes, to_env)
+        run_episodes(env, 0, spec.env.num_envs, cfg, spec.rollout.seed, act, outcomes, env_action_transform(spec.model))
     finally:
         env.close()
-    write_summary(directory, str(loaded.path), cfg, [outcomes.to_json()])
-    return directory
+    return write_summary(directory, spec_path, cfg, [outcomes.to_json()])
 
 
 def local_act(policy, cfg: EvalConfig, seed: int) -> Act:

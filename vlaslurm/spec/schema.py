@@ -166,6 +166,17 @@ class CheckpointConfig:
 
 
 @dataclass
+class PeriodicEvalConfig:
+    """Frozen-policy evaluation while training: every `every_versions` versions trainer rank 0 hands the weights to
+    a low-priority process beside it, which plays `episodes` episodes from fixed seeds; rollouts do not stop."""
+
+    every_versions: int = doc(0, "Evaluate the weights of every this many policy versions (0: never).")
+    episodes: int = doc(16, "Episodes per evaluation, over every task (the same seeds at every version).")
+    keep_failed: int = doc(2, "Failed episodes kept per task and evaluation, as GIFs of the whole episode.")
+    deterministic: bool = doc(True, "Play the policy's mean action; false samples, seeded per episode and step.")
+
+
+@dataclass
 class RuntimeConfig:
     """Networking and deadlines of the running job."""
 
@@ -193,6 +204,7 @@ class ExperimentSpec:
     slurm: SlurmConfig = field(default_factory=SlurmConfig, metadata={"doc": "Slurm."})
     tracking: TrackingConfig = field(default_factory=TrackingConfig, metadata={"doc": "MLflow."})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"doc": "Checkpoints."})
+    eval: PeriodicEvalConfig = field(default_factory=PeriodicEvalConfig, metadata={"doc": "Evaluation while training."})
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig, metadata={"doc": "Runtime."})
 
     def role_resources(self, role: str) -> RoleResources:

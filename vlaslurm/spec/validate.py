@@ -63,6 +63,7 @@ def validate(loaded: LoadedSpec) -> None:
         _check_slurm,
         _check_tracking,
         _check_sharding,
+        _check_periodic_eval,
     ):
         check(loaded)
 
@@ -395,6 +396,26 @@ def _role_ranks(loaded: LoadedSpec, role: str, slurm_ranks: int) -> list:
     """(ranks of `role`, where they come from): `slurm_ranks` in the job, `runtime.local_ranks` for `vlaslurm run`."""
     local = loaded.spec.runtime.local_ranks.get(role, slurm_ranks)
     return [(slurm_ranks, f"resources.{role}"), (local, "runtime.local_ranks")]
+
+
+def _check_periodic_eval(loaded: LoadedSpec) -> None:
+    cfg, spec = loaded.spec.eval, loaded.spec
+    _positive(loaded, ["eval.every_versions", "eval.keep_failed"], minimum=0)
+    _positive(loaded, ["eval.episodes"])
+    if not cfg.every_versions:
+        return
+    if spec.trainer.strategy != "replicate":
+        raise loaded.error(
+            "eval.every_versions",
+            "needs the whole policy on trainer rank 0 (trainer.strategy: replicate; fsdp shards it): evaluate the "
+            "checkpoints with `vlaslurm eval` instead",
+        )
+    tasks = list(getattr(spec.env, "tasks", None) or [])
+    if cfg.episodes < len(tasks):
+        raise loaded.error(
+            "eval.episodes",
+            f"{cfg.episodes} is fewer than the {len(tasks)} tasks of env.tasks: some would never be evaluated",
+        )
 
 
 def _check_sharding(loaded: LoadedSpec) -> None:

@@ -1,10 +1,12 @@
 """Follow what a run already writes, off the training path.
 
-The trainer appends one row per update to its metrics file and every rank
-rewrites its counters file every few seconds. The follower turns
-new metrics lines and changed counter files into rows for the tracker, and
-names the new failure GIFs under `failures/<task>/` (each once) for upload, so
-tracking needs no hook in any training loop.
+The trainer appends one row per update to its metrics file, evaluations while
+training one line each to the evals log, and every rank rewrites its counters
+file every few seconds. The follower turns new metrics and evals lines and
+changed counter files into rows for the tracker (evaluations as `eval/...` at
+the env steps of the version evaluated), and names the new failure GIFs under
+`failures/<task>/` and `evals/v<version>/failures/<task>/` (each once) for
+upload, so tracking needs no hook in any training loop.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from vlaslurm.rundir import RunDir
 from vlaslurm.tracking.buffer import Row
 
 SYSTEM_PREFIX = "system/"  # MLflow's UI shows these keys in its "System metrics" tab
+EVAL_PREFIX = "eval/"  # evaluations while training
 
 
 def numeric(values: Mapping[str, object], prefix: str = "") -> Dict[str, float]:
@@ -44,10 +47,32 @@ class RunFollower:
         self._offset = 0
         self._counter_mtimes: Dict[Path, float] = {}
         self._failures_seen: Set[Path] = set()
+        self._evals_offset = 0
 
     def poll(self) -> List[Row]:
         """Rows for everything new since the last poll."""
-        return self.metrics_rows() + self.counter_rows()
+        return self.metrics_rows() + self.eval_rows() + self.counter_rows()
+
+    def eval_rows(self) -> List[Row]:
+        """One row per finished evaluation while training, at the env steps its version was trained on."""
+        path = RunDir(self.run_dir).evals_log
+        if not path.exists():
+            return []
+        with path.open("rb") as handle:
+            handle.seek(self._evals_offset)
+            data = handle.read()
+            mtime = path.stat().st_mtime
+        end = data.rfind(b"\n") + 1  # a line still being written is read next time
+        self._evals_offset += end
+        rows = []
+        for raw in data[:end].splitlines():
+            try:
+                values = json.loads(raw)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(values, dict):
+                rows.append(Row(numeric(values, EVAL_PREFIX), int(values.get("env_steps", 0)), int(mtime * 1000)))
+        return rows
 
     def metrics_rows(self) -> List[Row]:
         path = RunDir(self.run_dir).metrics
@@ -85,7 +110,9 @@ class RunFollower:
 
     def new_failures(self) -> List[Path]:
         """Failure GIFs that appeared since the last call (written whole: a temporary name, then renamed)."""
-        found = set(RunDir(self.run_dir).failures.glob("*/*.gif")) - self._failures_seen
+        layout = RunDir(self.run_dir)
+        found = set(layout.failures.glob("*/*.gif")) | set(layout.evals.glob(f"*/{layout.failures.name}/*/*.gif"))
+        found -= self._failures_seen
         self._failures_seen |= found
         return sorted(found)
 

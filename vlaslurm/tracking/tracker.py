@@ -231,8 +231,8 @@ class Tracker:
         try:
             for row in self.follower.poll():
                 self.buffer.put(row)
-            for path in self.follower.new_failures():
-                self.log_artifact(path, f"{layout.FAILURES}/{path.parent.name}")
+            for path in self.follower.new_failures():  # failures/<task>/, or evals/v<version>/failures/<task>/
+                self.log_artifact(path, path.parent.relative_to(self.follower.run_dir).as_posix())
         except OSError as exc:
             log.debug("tracking: cannot read the run directory yet: %s", exc)
 

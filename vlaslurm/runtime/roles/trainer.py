@@ -36,6 +36,7 @@ from vlaslurm.runtime.context import RankContext, meet, world_roles
 from vlaslurm.runtime.failures import FailureKeeper
 from vlaslurm.runtime.ledger import Ledger
 from vlaslurm.runtime.offload import Offloader, OffloadReporter, OffloadReports, offloads
+from vlaslurm.runtime.periodic_eval import PeriodicEval
 from vlaslurm.runtime.schedule import Schedule
 from vlaslurm.runtime.sharded import (
     Command,
@@ -50,7 +51,14 @@ from vlaslurm.runtime.transport import Pub, Pull, rejection_counts
 from vlaslurm.runtime.weights import DEFAULT_BUCKET_BYTES, make_publisher
 from vlaslurm.spec.algo_types import AlgoConfig
 from vlaslurm.spec.model_types import ModelConfig
-from vlaslurm.spec.schema import CheckpointConfig, ExperimentSpec, Layout, RolloutConfig, TrackingConfig
+from vlaslurm.spec.schema import (
+    CheckpointConfig,
+    ExperimentSpec,
+    Layout,
+    PeriodicEvalConfig,
+    RolloutConfig,
+    TrackingConfig,
+)
 from vlaslurm.spec.trainer_types import TrainerSpec, fsdp_problem
 from vlaslurm.tracking import open_tracker
 
@@ -69,6 +77,7 @@ class TrainerConfig:
     layout: Layout  # resources.layout: collocated, model and optimizer leave the GPU during rollouts
     trainer: TrainerSpec = field(default_factory=TrainerSpec)  # the spec's `trainer:`: micro-batches, optimizer
     max_frame_bytes: int = msgs.FRAME_FLOOR_BYTES  # larger frames are refused unread (`msgs.max_frame_bytes`)
+    eval: PeriodicEvalConfig = field(default_factory=PeriodicEvalConfig)  # evaluation while training
 
     @classmethod
     def from_spec(cls, spec: ExperimentSpec) -> TrainerConfig:
@@ -81,6 +90,7 @@ class TrainerConfig:
             spec.resources.layout,
             spec.trainer,
             msgs.max_frame_bytes(spec.env, spec.model.action_chunk),
+            spec.eval,
         )
 
 
@@ -607,6 +617,7 @@ def lead(
     col.mark_published(version)
     del first
     idle = Idle(ctx, col, group, src)
+    evals = PeriodicEval(cfg.eval, ctx.run_dir, ctx.device)
     try:
         while True:
             if signals.requested():
@@ -635,6 +646,7 @@ def lead(
                     continue
                 if version % cfg.checkpoint.every_versions == 0:
                     save_checkpoint(cfg, ctx, col, policy, learner)
+                evals.maybe_start(policy.state_dict(), version, col.received_steps)
                 if signals.requested():
                     continue  # saved at the top of the loop (again only if not just saved)
                 if publishes(cfg, version):
@@ -648,6 +660,7 @@ def lead(
             save_drained(cfg, ctx, col, policy, learner, drained, version)
         col.drain(version, deadline_s=2.0 if drained else None)
         col.close()
+        evals.close(wait_s=0.0 if drained else ctx.deadlines.running_s)  # before the tracker: its result is sent
         tracker.close()
         publisher.close()
     if drained:
