@@ -264,6 +264,7 @@ def plot(results: List[dict], path: Path) -> None:
     axes[1].set_title("wall time (one line per seed)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)  # a report is redrawn after every run
 
 
 def main() -> int:
