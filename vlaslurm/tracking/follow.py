@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Set
+from typing import Dict, List, Mapping, Optional, Set, Tuple
 
 from vlaslurm.rundir import RunDir
 from vlaslurm.tracking.buffer import Row
@@ -55,17 +55,9 @@ class RunFollower:
 
     def eval_rows(self) -> List[Row]:
         """One row per finished evaluation while training, at the env steps its version was trained on."""
-        path = RunDir(self.run_dir).evals_log
-        if not path.exists():
-            return []
-        with path.open("rb") as handle:
-            handle.seek(self._evals_offset)
-            data = handle.read()
-            mtime = path.stat().st_mtime
-        end = data.rfind(b"\n") + 1  # a line still being written is read next time
-        self._evals_offset += end
+        lines, self._evals_offset, mtime = _new_lines(RunDir(self.run_dir).evals_log, self._evals_offset)
         rows = []
-        for raw in data[:end].splitlines():
+        for raw in lines:
             try:
                 values = json.loads(raw)
             except json.JSONDecodeError:
@@ -75,17 +67,9 @@ class RunFollower:
         return rows
 
     def metrics_rows(self) -> List[Row]:
-        path = RunDir(self.run_dir).metrics
-        if not path.exists():
-            return []
-        with path.open("rb") as handle:
-            handle.seek(self._offset)
-            data = handle.read()
-            mtime = path.stat().st_mtime
-        end = data.rfind(b"\n") + 1  # a line still being written is read next time
-        self._offset += end
+        lines, self._offset, mtime = _new_lines(RunDir(self.run_dir).metrics, self._offset)
         parsed = []
-        for raw in data[:end].splitlines():
+        for raw in lines:
             self.line += 1
             try:
                 parsed.append((self.line, json.loads(raw)))
@@ -131,6 +115,19 @@ class RunFollower:
             if metrics:
                 rows.append(Row(metrics, self.env_steps, int(mtime * 1000)))
         return rows
+
+
+def _new_lines(path: Path, offset: int) -> Tuple[List[bytes], int, float]:
+    """The complete lines of `path` after byte `offset`, the offset after them, and the file's mtime (a line still
+    being written is read next time; no file: nothing)."""
+    if not path.exists():
+        return [], offset, 0.0
+    with path.open("rb") as handle:
+        handle.seek(offset)
+        data = handle.read()
+        mtime = path.stat().st_mtime
+    end = data.rfind(b"\n") + 1
+    return data[:end].splitlines(), offset + end, mtime
 
 
 def _float(value: object) -> Optional[float]:
