@@ -17,7 +17,7 @@ import traceback
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, cast
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ from vlaslurm import rundir
 from vlaslurm.envs import make_env
 from vlaslurm.envs.base import Observation, VecEnv
 from vlaslurm.log import get_logger
-from vlaslurm.models import PolicyInput, build_policy, env_action_transform
+from vlaslurm.models import Policy, PolicyInput, build_policy, env_action_transform
 from vlaslurm.rundir import Counters, Heartbeat, RunDir, write_atomic
 from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime.context import RankContext, make_context, meet, rank_from_env, run_spec
@@ -194,23 +194,26 @@ def evaluate(
     (`Outcomes`)."""
     from vlaslurm.spec.plan import job_run_name
 
-    cfg = EvalConfig(episodes, keep_failed, deterministic)
-    check_every_task_played(loaded.spec, episodes)
-    directory = rundir.new_run_dir(runs_root, job_run_name(loaded.spec.name, "eval"))
-    spec = loaded.spec
+    cfg, spec = EvalConfig(episodes, keep_failed, deterministic), loaded.spec
+    check_every_task_played(spec, episodes)
+    directory = rundir.new_run_dir(runs_root, job_run_name(spec.name, "eval"))
     play(spec, directory, cfg, lambda env: build_policy(spec.model, **env_dims(env, spec.env)), str(loaded.path))
     return directory
 
 
 def play(
-    spec: ExperimentSpec, directory: Path, cfg: EvalConfig, make_policy: Callable[[VecEnv], object], spec_path: str
+    spec: ExperimentSpec,
+    directory: Path,
+    cfg: EvalConfig,
+    make_policy: Callable[[VecEnv], Policy],
+    spec_path: str,
 ) -> dict:
     """`cfg.episodes` episodes in this process of the policy `make_policy(env)` builds; the result in `directory`
     (`RunDir.eval`, returned; `spec_path` names the spec there) and its failed trajectories (`Outcomes`)."""
     env = make_env(spec.env, num_envs=min(spec.env.num_envs, cfg.episodes), rank=0, seed=spec.rollout.seed)
     outcomes = Outcomes(directory, cfg.keep_failed)
     try:
-        policy = cast("torch.nn.Module", make_policy(env)).eval()
+        policy = make_policy(env).eval()
         act = local_act(policy, cfg, spec.rollout.seed)
         run_episodes(env, 0, spec.env.num_envs, cfg, spec.rollout.seed, act, outcomes, env_action_transform(spec.model))
     finally:

@@ -35,23 +35,22 @@ class PeriodicEval:
     def __init__(self, cfg: PeriodicEvalConfig, run_dir: Path, device: torch.device) -> None:
         self.cfg, self.run_dir, self.device = cfg, Path(run_dir), device
         self.process: Optional[subprocess.Popen] = None
-        self.skipped: List[int] = []
 
     def due(self, version: int) -> bool:
         return self.cfg.every_versions > 0 and version > 0 and version % self.cfg.every_versions == 0
 
-    def maybe_start(self, state_dict, version: int, env_steps: int) -> bool:
-        """Start evaluating `state_dict` as version `version` (trained on `env_steps` env steps) if it is due and
-        no evaluation is running; whether it started."""
+    def maybe_start(self, policy: torch.nn.Module, version: int, env_steps: int) -> bool:
+        """Start evaluating `policy`'s weights as version `version` (trained on `env_steps` env steps) if it is due
+        and no evaluation is running; whether it started."""
         if not self.due(version):
             return False
         if self.process is not None and self.process.poll() is None:
             log.warning("version %d is not evaluated: the evaluation of an earlier version is still running", version)
-            self.skipped.append(version)
             return False
         layout = RunDir(self.run_dir)
         layout.periodic_eval(version).mkdir(parents=True, exist_ok=True)
-        torch.save({k: v.detach().cpu() for k, v in state_dict.items()}, layout.periodic_eval_weights(version))
+        weights = {k: v.detach().cpu() for k, v in policy.state_dict().items()}
+        torch.save(weights, layout.periodic_eval_weights(version))
         output = layout.log("eval", version)
         output.parent.mkdir(parents=True, exist_ok=True)
         with output.open("ab") as sink:

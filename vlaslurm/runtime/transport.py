@@ -4,10 +4,10 @@ A `Message` is a kind, a small msgpack-able `meta` dict and named numpy arrays, 
 header frame and one raw frame per array, authenticated with AES-256-GMAC (`_Sealer`). Each channel
 has its own key derived from the run secret, each sending socket a random session (its own subkey) and
 numbers its messages (the nonce); the signed header names the channel: receivers drop and count (by
-reason) messages that are malformed, forged,
-meant for another channel, of a kind the socket does not take, or replayed. Receiving sockets
-refuse frames larger than their `max_frame_bytes` before buffering them; received arrays are
-read-only views. Sockets are not thread-safe: use each one from a single thread.
+reason) messages that are malformed, forged, meant for another channel, of a kind the socket does not
+take, or replayed. Receiving sockets refuse frames larger than their `max_frame_bytes` before
+buffering them; received arrays are read-only views. Sockets are not thread-safe: use each one from a
+single thread.
 Details (wire format): docs/runtime.md
 """
 

@@ -646,7 +646,7 @@ def lead(
                     continue
                 if version % cfg.checkpoint.every_versions == 0:
                     save_checkpoint(cfg, ctx, col, policy, learner)
-                evals.maybe_start(policy.state_dict(), version, col.received_steps)
+                evals.maybe_start(policy, version, col.received_steps)
                 if signals.requested():
                     continue  # saved at the top of the loop (again only if not just saved)
                 if publishes(cfg, version):
