@@ -247,8 +247,9 @@ def tiny_batch():
 
 
 def test_a_batch_smaller_than_the_ranks_updates_as_one_rank_does(spawned: Path) -> None:
-    """One decision step on 3 ranks: it runs whole on each with a third of the loss; its advantage, alone, is only
-    centred (a spread of one value is undefined, and the NaN would reach every parameter)."""
+    """One decision step on 3 ranks: its owner runs it, the two others join each forward and backward with a zero
+    loss on their spare row; its advantage, alone, is only centred (a spread of one value is undefined, and the NaN
+    would reach every parameter)."""
     policy = tiny_policy(seed=3)
     make_learner(_algo("ppo", "action"), policy, DataParallel(None, 0, 1), 7).update(tiny_batch(), version=5)
     reference, sharded = policy.state_dict(), torch.load(spawned / "params-tiny.pt")

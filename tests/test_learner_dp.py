@@ -1,6 +1,7 @@
-"""Trainer scale-out: one update on 2 gloo ranks (real torch.distributed, spawned processes) leaves the
-same parameters as one rank on the same global batch; the values and proximal log-probs before it are computed
-once over the ranks (each its share of the observations), not by every rank."""
+"""Trainer scale-out: rank 0 shares a batch with the trainer's own `share_batch` (each of 2 gloo ranks, real
+torch.distributed in spawned processes, receives the observations of the rows it owns only); one update on the 2
+ranks then leaves the same parameters as one rank on the whole batch; the values and proximal log-probs before it
+are computed once over the ranks (each the observations of its rows), not by every rank."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from learner_helpers import algo_config, assert_same_update, rollout_segments, t
 
 from vlaslurm.algos.batch import collate
 from vlaslurm.algos.learners import DataParallel, evaluate_all, make_learner
+from vlaslurm.runtime.roles.trainer import share_batch
 from vlaslurm.spec.trainer_types import OptimizerConfig, TrainerSpec
 
 WORLD = 2
@@ -61,14 +63,18 @@ SCHEDULED_TRAINER = TrainerSpec(optimizer=OptimizerConfig(eps=1.0))
 def _rank(rank: int, tmp: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD)
     try:
-        batch = torch.load(f"{tmp}/batch.pt", weights_only=False)
+        dp = DataParallel(dist.group.WORLD, rank, WORLD)
+        whole = torch.load(f"{tmp}/batch.pt", weights_only=False) if rank == 0 else None
+        version, batch = share_batch(whole, 5, dp, src=0)
+        assert version == 5 and batch is not None
+        torch.save({"held": batch.held, "images": batch.tensors["images"]}, f"{tmp}/shared-{rank}.pt")
         for kind, level, micro in CASES:  # one spawn for every case: starting processes is the slow part
-            params = one_update(kind, level, batch, DataParallel(None, rank, WORLD), micro)
+            params = one_update(kind, level, batch, dp, micro)
             torch.save(params, f"{tmp}/params-{kind}-{level}-{micro}-{rank}.pt")
         for kind in SCHEDULED:
-            params = one_update(kind, "action", batch, DataParallel(None, rank, WORLD), progress=PROGRESS)
+            params = one_update(kind, "action", batch, dp, progress=PROGRESS)
             torch.save(params, f"{tmp}/params-{kind}-scheduled-{rank}.pt")
-        torch.save(counted_evaluation(batch, DataParallel(None, rank, WORLD)), f"{tmp}/evaluated-{rank}.pt")
+        torch.save(counted_evaluation(batch, dp), f"{tmp}/evaluated-{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -87,6 +93,15 @@ def ranked(tmp_path_factory, batch) -> Path:
     torch.save(batch, tmp / "batch.pt")
     mp.start_processes(_rank, args=(str(tmp),), nprocs=WORLD, start_method="spawn", join=True)
     return tmp
+
+
+def test_each_rank_receives_the_observations_of_its_own_rows_only(ranked: Path, batch):
+    shared = [torch.load(ranked / f"shared-{rank}.pt") for rank in range(WORLD)]
+    held = torch.cat([s["held"] for s in shared])
+    assert sorted(held.tolist()) == list(range(batch.size)), "every row's observations on exactly one rank"
+    for s in shared:
+        assert 0 < len(s["held"]) < batch.size
+        assert torch.equal(s["images"], batch.tensors["images"][s["held"]])
 
 
 @pytest.mark.parametrize("kind,level,micro", CASES)
@@ -138,6 +153,8 @@ def test_the_ranks_share_the_evaluation_before_an_update(ranked: Path, batch):
         # another batch composition of the same rows: equal up to float32 rounding
         torch.testing.assert_close(ranked_values, values, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(ranked_prox, prox, rtol=1e-5, atol=1e-6)
-        # chunks of 16 alternate between the ranks: each evaluates about half, none all of them
-        chunks_each = math.ceil(math.ceil(total / CHUNK) / WORLD)
-        assert evaluated <= chunks_each * CHUNK < total, (evaluated, total)
+        # each evaluates the observations of the rows it owns (T+1 per row), in chunks of 16, as many chunks as
+        # the rank with the most (a short rank repeats one): none evaluates all of them
+        owned = DataParallel(None, rank, WORLD).held_rows(batch.tensors["length"])
+        own = int((batch.tensors["length"][owned] + 1).sum())
+        assert own <= evaluated < total and evaluated - own < CHUNK * math.ceil(total / CHUNK), (evaluated, own, total)

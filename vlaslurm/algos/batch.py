@@ -19,31 +19,60 @@ from vlaslurm.models.base import PolicyInput
 
 @dataclass
 class TrainBatch:
-    """The padded tensors of N segments and their instructions."""
+    """The padded tensors of N segments and their instructions.
+
+    A data-parallel trainer rank holds the observations (`is_observation`: images, state, replay tensors), by far
+    the largest part, only of the rows it owns (`held`, ascending global row numbers; None: every row); every
+    other tensor is whole, indexed by global row."""
 
     tensors: Dict[str, Tensor]
     instructions: List[str]
+    held: Optional[Tensor] = None
 
     @property
     def size(self) -> int:
         return len(self.instructions)
 
     def to(self, device: torch.device) -> TrainBatch:
-        return TrainBatch({k: v.to(device) for k, v in self.tensors.items()}, self.instructions)
+        return TrainBatch({k: v.to(device) for k, v in self.tensors.items()}, self.instructions, self.held)
+
+    def holding(self, rows: Tensor) -> TrainBatch:
+        """This batch with the observations of `rows` (global row numbers) only."""
+        rows = torch.unique(rows.cpu())  # sorted, as `_local` needs
+        local = self._local(rows)
+        tensors = {k: v[local.to(v.device)] if is_observation(k) else v for k, v in self.tensors.items()}
+        return TrainBatch(tensors, self.instructions, rows)
+
+    def _local(self, rows: Tensor) -> Tensor:
+        """Where global `rows` sit in the observation tensors; a row not held is an error (a sharding bug)."""
+        if self.held is None:
+            return rows
+        held = self.held.to(rows.device)
+        at = torch.searchsorted(held, rows).clamp(max=max(len(held) - 1, 0))
+        if len(rows) and (not len(held) or bool((held[at] != rows).any())):
+            raise ValueError(f"observations of rows {sorted(set(rows.tolist()) - set(held.tolist()))} not held here")
+        return at
 
     def policy_input(self, rows: Tensor, cols: Tensor) -> PolicyInput:
-        """Observations at (segment rows[i], step cols[i])."""
+        """Observations at (segment rows[i], step cols[i]); rows are global row numbers."""
         t = self.tensors
-        images = t["images"][rows, cols] if "images" in t else None
-        state = t["state"][rows, cols] if "state" in t else None
+        local = self._local(rows)
+        images = t["images"][local, cols] if "images" in t else None
+        state = t["state"][local, cols] if "state" in t else None
         # T rows, like the actions (the bootstrap observation at T has none: it is evaluated for its value only)
         replay = {
-            k[len(REPLAY) :]: v[rows, cols.clamp(max=v.shape[1] - 1)] for k, v in t.items() if k.startswith(REPLAY)
+            k[len(REPLAY) :]: v[local, cols.clamp(max=v.shape[1] - 1)] for k, v in t.items() if k.startswith(REPLAY)
         }
         return PolicyInput(images, state, [self.instructions[r] for r in rows.tolist()], replay=replay or None)
 
 
 REPLAY = "replay."  # the prefix of a replay tensor in TrainBatch.tensors ([N, T, ...], as the segments carried it)
+OBSERVATIONS = ("images", "state")
+
+
+def is_observation(key: str) -> bool:
+    """A tensor only the rank that owns a row needs (the policy's input), not one every rank reads whole."""
+    return key in OBSERVATIONS or key.startswith(REPLAY)
 
 
 def collate_replay(segments: Sequence, T: int) -> Dict[str, Tensor]:

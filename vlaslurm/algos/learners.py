@@ -1,9 +1,9 @@
 """Learners: turn a TrainBatch into one policy update, one class per `algo.type` in `LEARNERS`.
 
-Data parallel: every trainer rank holds the whole batch, takes its shard of each minibatch and
-scales its loss so that the summed gradients equal one rank's update on the whole batch. A
-minibatch's unit is a decision step; `algo.logprob_level` sets the ratio per chunk, action or token (action
-dimension).
+Data parallel: every trainer rank owns whole segments of the batch, holds only their observations, takes the
+decision steps of each minibatch in them and scales its loss so that the summed gradients equal one rank's update
+on the whole batch (`DataParallel`). A minibatch's unit is a decision step; `algo.logprob_level` sets the ratio per
+chunk, action or token (action dimension).
 Details: docs/algorithms.md
 """
 
@@ -46,24 +46,39 @@ LEARNERS: Registry[Callable[..., Learner]] = Registry("algo", "learner")
 
 
 class DataParallel:
-    """This rank's place among the trainer ranks (a no-op with one rank)."""
+    """This rank's place among the trainer ranks (a no-op with one rank).
+
+    Each rank owns whole rows (segments) of a batch (`owners`): it holds only their observations
+    (`TrainBatch.held`), evaluates them before an update, and takes of every minibatch the decision steps in them;
+    its loss is its part of the minibatch mean, so the summed gradients equal one rank's update on the whole batch.
+    """
 
     def __init__(self, group: Optional[dist.ProcessGroup], rank: int, size: int) -> None:
         self.group, self.rank, self.size = group, rank, size
 
-    def shard(self, index: Tensor) -> Tensor:
-        return index[self.rank :: self.size]
+    def owners(self, lengths: Tensor) -> Tensor:
+        """[N] the rank owning each row: rows by descending length dealt round-robin, so that the ranks' decision
+        steps about balance; a function of the lengths alone, which every rank has."""
+        order = torch.sort(lengths.cpu(), descending=True, stable=True).indices
+        out = torch.empty_like(order)
+        out[order] = torch.arange(len(order)) % self.size
+        return out.to(lengths.device)
 
-    def micro_batches(self, total: int, size: Optional[int]) -> int:
-        """How many micro-batches of at most `size` this rank's share of `total` rows takes (0 for none)."""
-        share = len(range(self.rank, total, self.size))
-        if share == 0:
-            return 0
-        return 1 if size is None else math.ceil(share / size)
+    def held_rows(self, lengths: Tensor, rank: Optional[int] = None) -> Tensor:
+        """The rows whose observations `rank` (default: this one) holds: those it owns; one that owns none (fewer
+        rows than ranks) holds one spare row, for the forwards a sharded rank must join without data of its own."""
+        rank = self.rank if rank is None else rank
+        owned = (self.owners(lengths.cpu()) == rank).nonzero()[:, 0]
+        return owned if len(owned) or not len(lengths) else torch.tensor([rank % len(lengths)])
 
-    def loss_share(self, total: int) -> float:
-        """The factor on this rank's loss of a minibatch of `total` rows (its gradients are summed over ranks)."""
-        return 1.0
+    def shares(self, owner: Tensor) -> List[int]:
+        """How many of the entries owned as `owner` says each rank has."""
+        return torch.bincount(owner.cpu(), minlength=self.size).tolist()
+
+    def micro_batches(self, mine: Tensor, shares: List[int], size: Optional[int]) -> List[Tensor]:
+        """This rank's entries of a minibatch (`mine`, of the ranks' `shares`) in micro-batches of at most `size`."""
+        count = 0 if not len(mine) else 1 if size is None else math.ceil(len(mine) / size)
+        return list(mine.tensor_split(count)) if count else []
 
     def sync_buffers(self, module: nn.Module) -> None:
         """Give every rank the first rank's buffers: rank 0 alone sets run-level state such as a scheduled
@@ -81,31 +96,28 @@ class DataParallel:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=self.group)
 
-    def spread(self, total: int, chunk: int) -> List[Tensor]:
-        """This rank's chunks of `total` items whose results every rank needs (`gather`): the items in chunks of
-        `chunk`, chunk k on rank k mod size, so that each item is computed in the same chunk whatever the rank count
-        (a forward's rounding depends on its batch); as many chunks on every rank (with fsdp each forward is a
-        collective): a rank short of one repeats chunk 0, whose results `gather` drops."""
-        chunks = torch.arange(total).split(chunk)
-        per = math.ceil(len(chunks) / self.size)
-        mine = list(chunks[self.rank :: self.size])
-        return mine + [chunks[0]] * (per - len(mine))
+    def spread(self, owner: Tensor, chunk: int, spare: Tensor) -> List[Tensor]:
+        """This rank's chunks of `chunk` of the entries it owns (`owner[i] == rank`) whose results every rank needs
+        (`gather`); as many chunks on every rank (with fsdp each forward is a collective): a rank short of one
+        repeats its first chunk, or evaluates `spare` (an entry of its spare row), whose results `gather` drops."""
+        owned = (owner == self.rank).nonzero()[:, 0]
+        mine = list(owned.split(chunk)) if len(owned) else []  # an empty tensor splits into one empty chunk
+        per = max(math.ceil(n / chunk) for n in self.shares(owner))
+        return mine + [mine[0] if mine else spare] * (per - len(mine))
 
-    def gather(self, mine: List[Tensor], total: int, chunk: int) -> Tensor:
-        """Every item's result, in item order ([total, ...]), from each rank's results of its `spread` chunks."""
-        rows = torch.cat(mine)
+    def gather(self, mine: List[Tensor], owner: Tensor) -> Tensor:
+        """Every entry's result, in entry order ([len(owner), ...]), from each rank's results of its `spread`."""
+        results = torch.cat(mine)
         if self.size == 1:
-            return rows
-        count = math.ceil(total / chunk)
-        padded = rows.new_zeros((math.ceil(count / self.size) * chunk, *rows.shape[1:]))
-        padded[: len(rows)] = rows
+            return results[: len(owner)]
+        shares = self.shares(owner)
+        padded = results.new_zeros((max(shares), *results.shape[1:]))
+        padded[: shares[self.rank]] = results[: shares[self.rank]]
         parts = [torch.empty_like(padded) for _ in range(self.size)]
         dist.all_gather(parts, padded, group=self.group)
-        out = rows.new_empty((total, *rows.shape[1:]))
+        out = results.new_empty((len(owner), *results.shape[1:]))
         for rank, part in enumerate(parts):
-            for j, k in enumerate(range(rank, count, self.size)):  # only the last chunk is short, and last on its rank
-                start = k * chunk
-                out[start : start + chunk] = part[j * chunk : j * chunk + min(chunk, total - start)]
+            out[owner == rank] = part[: shares[rank]]
         return out
 
 
@@ -160,17 +172,18 @@ def evaluate_all(
     if not len(rows):
         return out_values, prox
     dp = dp or DataParallel(None, 0, 1)
+    owner = dp.owners(t["length"])[rows]
+    spare = ((rows == dp.held_rows(t["length"])[0].to(rows.device)) & (cols == 0)).nonzero()[0]  # a first observation
     found: List[Tuple[Tensor, Tensor]] = []
-    for part in dp.spread(len(rows), chunk):
-        part = part.to(rows.device)
+    for part in dp.spread(owner, chunk, spare):
         r, c = rows[part], cols[part]
         out = cast("Policy", policy).evaluate(batch.policy_input(r, c), t["actions"][r, c.clamp(max=T - 1)])
         logprob = token_logprob(out.token_logprob) if tokens else out.logprob
         found.append(((slot_values(out.slot_value) if slots else out.value).float(), logprob.float()))
     if values:
-        out_values[rows, cols] = dp.gather([v for v, _ in found], len(rows), chunk)
+        out_values[rows, cols] = dp.gather([v for v, _ in found], owner)
     acting = cols < t["length"][rows]  # the last observation of a segment only bootstraps its value
-    prox[rows[acting], cols[acting]] = dp.gather([lp for _, lp in found], len(rows), chunk)[acting]
+    prox[rows[acting], cols[acting]] = dp.gather([lp for _, lp in found], owner)[acting]
     return out_values, prox
 
 
@@ -252,15 +265,18 @@ class PolicyStep:
             len(rows) if level == "chunk" else n_actions * per_action,
             _entropy_units(t, rows, cols, self.cfg.entropy_level),
         )
-        count = self.dp.micro_batches(len(rows), self.trainer.micro_batch_size)
-        share = self.dp.loss_share(len(rows))
-        rows, cols = self.dp.shard(rows), self.dp.shard(cols)
+        owner = self.dp.owners(t["length"])[rows]
+        mine = (owner == self.dp.rank).nonzero()[:, 0]
         self.opt.zero_grad(set_to_none=True)
         parts: List[Tuple[float, float, Dict[str, Tensor]]] = []
-        for micro in torch.arange(len(rows)).tensor_split(count) if count else ():
+        for micro in self.dp.micro_batches(mine, self.dp.shares(owner), self.trainer.micro_batch_size):
+            if not len(micro):  # a sharded rank without data joins the backward's collectives with a zero loss
+                first = self.dp.held_rows(t["length"])[:1].to(rows.device)
+                loss = self._loss(batch, first, torch.zeros_like(first), adv, prox, counts, extra, ref)[0]
+                (loss * 0.0).backward()
+                continue
             loss, weights, part = self._loss(batch, rows[micro], cols[micro], adv, prox, counts, extra, ref)
-            # gradients accumulate: each micro-batch's loss is its share of the minibatch mean
-            (loss * share).backward()
+            loss.backward()  # gradients accumulate: each micro-batch's loss is its share of the minibatch mean
             parts.append((*weights, part))
         self.dp.sum_grads(self.params)
         nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
@@ -328,12 +344,15 @@ class PolicyStep:
             loss = loss + self.cfg.kl_coef * kl * share
             stats["losses/ref_kl"] = kl.detach()
         if extra is not None:
-            loss = loss + extra(out, rows, cols, counts)
+            term, term_stats = extra(out, rows, cols, counts)
+            loss = loss + term
+            stats.update(term_stats)
         return loss, (float(local), float(units)), stats
 
 
-# PPO's value loss: (the policy's outputs, rows, cols, the minibatch's counts) -> its share of the minibatch mean.
-Extra = Callable[[Any, Tensor, Tensor, MinibatchCounts], Tensor]
+# PPO's value loss: (the policy's outputs, rows, cols, the minibatch's counts) -> (its share of the minibatch mean,
+# its statistics over these rows).
+Extra = Callable[[Any, Tensor, Tensor, MinibatchCounts], Tuple[Tensor, Dict[str, Tensor]]]
 
 
 def make_optimizer(policy: nn.Module, lr: float, cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -467,7 +486,7 @@ class PPOLearner:
         cfg = self.cfg
         huber = cfg.huber_delta if cfg.value_loss == "huber" else None
 
-        def value_term(out, r: Tensor, c: Tensor, counts: MinibatchCounts) -> Tensor:
+        def value_term(out, r: Tensor, c: Tensor, counts: MinibatchCounts) -> Tuple[Tensor, Dict[str, Tensor]]:
             # against the values before this update (the clip's centre)
             if per_action:  # each executed action's value against its own return
                 executed = t["mask"][r, c]
@@ -477,8 +496,8 @@ class PPOLearner:
             else:
                 err = value_errors(out.value, ret[r, c], values[r, c], cfg.value_clip, huber)
                 total = counts.steps
-            stats.setdefault("losses/value_loss", []).append(float(err.detach().mean()) if len(err) else 0.0)
-            return self.cfg.value_coef * err.sum() / max(total, 1)
+            value_loss = err.detach().mean() if len(err) else err.new_zeros(())
+            return self.cfg.value_coef * err.sum() / max(total, 1), {"losses/value_loss": value_loss}
 
         for _ in range(self.cfg.epochs):
             for mb in _minibatches(len(rows), self.cfg.minibatches, gen):

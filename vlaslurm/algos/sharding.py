@@ -159,25 +159,19 @@ def _own_group(groups: List[List[int]], me: int) -> dist.ProcessGroup:
 
 
 class ShardedDataParallel(DataParallel):
-    """A rank of an FSDP trainer: the reduce-scatter sums gradients in backward, so nothing is left to sum; the
-    micro-batches of a minibatch number the same on every rank (each backward is a collective). A minibatch of
-    fewer rows than ranks (an async batch can be a few decision steps) runs whole on every rank, its loss
-    divided by the rank count, so that the summed gradient is the minibatch's once."""
+    """A rank of an FSDP trainer: the reduce-scatter sums gradients in backward, so nothing is left to sum; every
+    rank runs a minibatch in as many micro-batches as the rank with the most of it needs (each backward is a
+    collective), empty ones included: a rank with none of the minibatch (an async batch can be a few decision
+    steps) runs a zero loss on its spare row (`PolicyStep`)."""
 
     def sum_grads(self, params: List[nn.Parameter]) -> None:
         return None
 
-    def shard(self, index: Tensor) -> Tensor:
-        return index if len(index) < self.size else super().shard(index)
-
-    def loss_share(self, total: int) -> float:
-        return 1.0 / self.size if total < self.size else 1.0
-
-    def micro_batches(self, total: int, size: Optional[int]) -> int:
-        if total == 0:
+    def micro_batches(self, mine: Tensor, shares: List[int], size: Optional[int]) -> List[Tensor]:
+        if not sum(shares):
             raise ValueError("an empty minibatch reached a sharded trainer (every rank must run each backward)")
-        smallest = total if total < self.size else total // self.size  # shards differ by at most one row
-        return 1 if size is None else max(1, math.ceil(smallest / size))
+        count = 1 if size is None else max(math.ceil(n / size) for n in shares)
+        return list(mine.tensor_split(count))
 
 
 def full_state_dict(policy: nn.Module) -> Dict[str, Tensor]:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from vlaslurm.algos.batch import TrainBatch, collate, decode_strings, encode_strings
+from vlaslurm.algos.batch import TrainBatch, collate, decode_strings, encode_strings, is_observation
 from vlaslurm.algos.learners import DataParallel, make_learner
 from vlaslurm.algos.sharding import ShardedDataParallel
 from vlaslurm.log import get_logger, set_context
@@ -398,24 +398,39 @@ def check_starved(silent_s: float, limit_s: float, generators: Dict[str, str]) -
     )
 
 
-def broadcast_batch(batch: Optional[TrainBatch], version: int, group, src: int) -> Tuple[int, Optional[TrainBatch]]:
+def share_batch(
+    batch: Optional[TrainBatch], version: int, dp: DataParallel, src: int
+) -> Tuple[int, Optional[TrainBatch]]:
     """Send (rank 0) or receive (other trainer ranks) one batch; None means stop. No pickling.
 
+    Every rank gets the batch whole but for its observations, by far the largest part: of those only the rows it
+    holds (`DataParallel.held_rows`), sent to it alone; rank 0 keeps its own rows' (the batch it returns).
     A receiver skips the keep-alives rank 0 sends while it waits for data (`send_keepalive`)."""
+    group = dp.group
     if batch is not None or dist.get_rank() == src:
         tensors = {} if batch is None else {**batch.tensors, "_instructions": encode_strings(batch.instructions)}
+        whole = {k: v for k, v in tensors.items() if not is_observation(k)}
+        observed = {k: v for k, v in tensors.items() if is_observation(k)}
         send_meta(
             {
                 "version": version,
                 "stop": batch is None,
-                "keys": [[k, str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in tensors.items()],
+                "keys": [[k, str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in whole.items()],
+                "rows_of": [[k, str(v.dtype).removeprefix("torch."), list(v.shape[1:])] for k, v in observed.items()],
             },
             group,
             src,
         )
-        for value in tensors.values():
+        for value in whole.values():
             dist.broadcast(value.contiguous(), src, group=group)
-        return version, batch
+        if batch is None:
+            return version, None
+        lengths = batch.tensors["length"]
+        for rank in range(1, dp.size):
+            held, dst = dp.held_rows(lengths, rank), dist.get_global_rank(cast(dist.ProcessGroup, group), rank)
+            for value in observed.values():
+                dist.send(value[held].contiguous(), dst, group=group)
+        return version, batch.holding(dp.held_rows(lengths))
     meta = receive_meta(group, src)
     while meta.get("keepalive"):
         meta = receive_meta(group, src)
@@ -426,12 +441,17 @@ def broadcast_batch(batch: Optional[TrainBatch], version: int, group, src: int) 
         value = torch.zeros(shape, dtype=getattr(torch, dtype))
         dist.broadcast(value, src, group=group)
         tensors[key] = value
+    held = dp.held_rows(tensors["length"])
+    for key, dtype, shape in meta["rows_of"]:
+        value = torch.zeros((len(held), *shape), dtype=getattr(torch, dtype))
+        dist.recv(value, src, group=group)
+        tensors[key] = value
     instructions = decode_strings(tensors.pop("_instructions"))
-    return meta["version"], TrainBatch(tensors, instructions)
+    return meta["version"], TrainBatch(tensors, instructions, held)
 
 
 def send_keepalive(version: int, group, src: int) -> None:
-    """Rank 0, waiting for data: tell the other trainer ranks, blocked in `broadcast_batch`, to keep waiting.
+    """Rank 0, waiting for data: tell the other trainer ranks, blocked in `share_batch`, to keep waiting.
 
     Their collective would otherwise fail at the group's timeout with gloo's own message whenever a
     rollout phase (a simulator's start-up, a slow scene) lasts longer; with these it fails only when
@@ -535,11 +555,9 @@ def run(ctx: RankContext, cfg: TrainerConfig) -> int:
         if start is not None:
             assert resume_from is not None  # start was loaded from it
             col.restore(start, ckpt.ledger_rows(resume_from))
-        code = lead(
-            cfg, ctx, policy, learner, col, publisher, group, trainers[0], start.version if start else 0, shards
-        )
+        code = lead(cfg, ctx, policy, learner, col, publisher, dp, trainers[0], start.version if start else 0, shards)
     else:
-        code = follow(cfg, ctx, policy, learner, group, trainers[0], start.version if start else 0, shards)
+        code = follow(cfg, ctx, policy, learner, dp, trainers[0], start.version if start else 0, shards)
     ctx.world.close()
     return code
 
@@ -599,12 +617,13 @@ def lead(
     learner,
     col: Collector,
     publisher,
-    group,
+    dp: DataParallel,
     src: int,
     version: int = 0,
     shards: Optional[Shards] = None,
 ) -> int:
     """Trainer rank 0: collect, update, publish, until `rollout.total_env_steps` or a drain signal."""
+    group = dp.group
     set_context(version=version)
     col.mark_boundary(version)
     drained = None
@@ -633,7 +652,7 @@ def lead(
                 continue
             # Lock-step simulators wait for the next version as long as this beats (simulator.wait_version).
             with col.heartbeat.during(version, f"env_steps={col.received_steps} updating"):
-                run_update(cfg, ctx, policy, learner, col, offloader, group, src, used, version)
+                run_update(cfg, ctx, policy, learner, col, offloader, dp, src, used, version)
                 if col.received_steps >= cfg.rollout.total_env_steps:
                     if shards is not None:
                         shards.tell(Command())  # the followers wait for a command after every update
@@ -654,7 +673,7 @@ def lead(
         finished = True
     finally:
         if group is not None:
-            broadcast_batch(None, version, group, src)
+            share_batch(None, version, dp, src)
         final = stop_shards(cfg, ctx, col, policy, learner, shards, drained, finished and not drained, version)
         if drained and shards is None:
             save_drained(cfg, ctx, col, policy, learner, drained, version)
@@ -763,7 +782,7 @@ def run_update(
     learner,
     col: Collector,
     offloader: Offloader,
-    group,
+    dp: DataParallel,
     src: int,
     used: List[msgs.Segment],
     version: int,
@@ -777,8 +796,8 @@ def run_update(
         policy.set_std_progress(min(1.0, col.received_steps / cfg.rollout.total_env_steps))
     t0, ev0 = time.monotonic(), ctx.now()
     batch = collate(used)
-    if group is not None:
-        broadcast_batch(batch, version, group, src)
+    if dp.group is not None:
+        batch = cast(TrainBatch, share_batch(batch, version, dp, src)[1])
     stats = learner.update(batch.to(ctx.device), version)
     col.events.add("update", t0=ev0, t1=ctx.now(), v=version, segments=len(used), steps=sum(s.steps for s in used))
     col.report(version, used, stats, time.monotonic() - t0)
@@ -843,12 +862,13 @@ def follow(
     ctx: RankContext,
     policy,
     learner,
-    group,
+    dp: DataParallel,
     src: int,
     version: int = 0,
     shards: Optional[Shards] = None,
 ) -> int:
     """Other trainer ranks: take each batch from rank 0 and join the update (fsdp: and what rank 0 says next)."""
+    group = dp.group
     events = EventLog(ctx.run_dir, "trainer", ctx.rank)
     # Rank 0 publishes the weights, which bring the generators back, only once every trainer rank said it is off.
     offloader = trainer_offloader(
@@ -860,7 +880,7 @@ def follow(
         while True:
             offloader.offload(version)  # a rollout phase: the GPU is the generator's
             # Rank 0 sends the batch only once every generator left the GPU: receiving it is our signal to move on.
-            version, batch = broadcast_batch(None, version, group, src)
+            version, batch = share_batch(None, version, dp, src)
             if batch is None:
                 if shards is not None:
                     join(cfg, ctx, learner, shards, receive_command(group, src))
