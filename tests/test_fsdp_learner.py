@@ -32,7 +32,7 @@ from vlaslurm.algos.batch import collate
 from vlaslurm.algos.learners import DataParallel, GRPOLearner, PPOLearner, make_learner
 from vlaslurm.algos.sharding import ShardedDataParallel, full_state_dict, local_numel, shard_policy
 from vlaslurm.models.vla.build import build_released
-from vlaslurm.spec.model_types import OpenVLAOFTConfig
+from vlaslurm.spec.model_types import LoraSpec, OpenVLAOFTConfig
 from vlaslurm.spec.trainer_types import OptimizerConfig, TrainerSpec
 
 
@@ -67,8 +67,8 @@ BF16_CASES = [
 BF16_TRAINER = TrainerSpec(optimizer=OptimizerConfig(eps=1.0))
 
 
-def release_policy(folder: str, precision: str = "fp32"):
-    cfg = OpenVLAOFTConfig(type="openvla-oft", path=folder, action_chunk=CHUNK, precision=precision)  # type: ignore[arg-type]
+def release_policy(folder: str, precision: str = "fp32", lora: Optional[LoraSpec] = None):
+    cfg = OpenVLAOFTConfig(type="openvla-oft", path=folder, action_chunk=CHUNK, precision=precision, lora=lora)  # type: ignore[arg-type]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)  # the learned std and the value head are initialised here, not read from the release
         return build_released(cfg, action_dim=2, state_dim=2, image_size=32, num_cameras=1)
@@ -118,6 +118,7 @@ def _rank(rank: int, tmp: str) -> None:
             _run_tiny(rank, groups[3], tmp)
         if rank < 2:
             _run_bf16(rank, groups[2], tmp)
+            _run_lora(rank, groups[2], tmp)
         dist.barrier()  # the other ranks wait for the bf16 cases before the group goes
     finally:
         dist.destroy_process_group()
@@ -171,6 +172,31 @@ def _run_bf16(rank: int, group: dist.ProcessGroup, tmp: str) -> None:
     loaded = shard_policy(release_policy(f"{tmp}/release", "bf16"), group, mixed_precision="bf16")
     if rank == 0:
         torch.save(_shard_dtypes(loaded), out / "bf16-release-masters.pt")
+
+
+LORA = LoraSpec(rank=4)
+
+
+def _run_lora(rank: int, group: dist.ProcessGroup, tmp: str) -> None:
+    """LoRA over the tiny release on 2 ranks: the frozen base sharded with the adapters (FSDP2 reduces gradients only
+    for the parameters that have them)."""
+    policy = shard_policy(release_policy(f"{tmp}/release", lora=LORA), group)
+    learner = make_learner(_algo("ppo", "action"), policy, ShardedDataParallel(group, rank, 2), 7, TrainerSpec())
+    learner.update(torch.load(f"{tmp}/batch-release.pt", weights_only=False), version=5)
+    full = full_state_dict(policy)
+    if rank == 0:
+        torch.save(full, Path(tmp) / "params-lora.pt")
+
+
+def test_a_lora_policy_under_fsdp_updates_as_one_replicated_rank(spawned: Path) -> None:
+    policy = release_policy(str(spawned / "release"), lora=LORA)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    batch = torch.load(spawned / "batch-release.pt", weights_only=False)
+    make_learner(_algo("ppo", "action"), policy, DataParallel(None, 0, 1), 7).update(batch, version=5)
+    reference = policy.state_dict()
+    moved = {n for n, v in reference.items() if not torch.equal(v, before[n])}
+    assert any(".lora_" in n for n in moved) and not any(n.startswith("vla.") and ".lora_" not in n for n in moved)
+    assert_same_update(torch.load(spawned / "params-lora.pt"), reference, "lora")
 
 
 def _watch_dtypes(policy: torch.nn.Module) -> Dict[str, set]:

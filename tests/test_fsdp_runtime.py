@@ -44,16 +44,15 @@ FSDP_2 = ["runtime.local_ranks={simulator: 1, generator: 1, trainer: 2}", "train
 
 def test_fsdp_rules_name_the_field():
     fsdp = TrainerSpec(strategy="fsdp", replicas=2)
-    assert fsdp_problem(fsdp, 4, "disaggregated", lora=False) is None
-    field, message = fsdp_problem(fsdp, 3, "disaggregated", lora=False) or ("", "")
+    assert fsdp_problem(fsdp, 4, "disaggregated") is None
+    field, message = fsdp_problem(fsdp, 3, "disaggregated") or ("", "")
     assert field == "trainer.replicas" and "trainer ranks, 3" in message
-    assert (fsdp_problem(fsdp, 4, "disaggregated", lora=True) or ("",))[0] == "trainer.strategy"
-    assert "collocated" in (fsdp_problem(fsdp, 4, "collocated", lora=False) or ("", ""))[1]
-    field, message = fsdp_problem(TrainerSpec(mixed_precision="bf16"), 1, "disaggregated", False) or ("", "")
+    assert "collocated" in (fsdp_problem(fsdp, 4, "collocated") or ("", ""))[1]
+    field, message = fsdp_problem(TrainerSpec(mixed_precision="bf16"), 1, "disaggregated") or ("", "")
     assert field == "trainer.mixed_precision" and "strategy: fsdp" in message
-    assert fsdp_problem(TrainerSpec(), 3, "collocated", lora=True) is None  # replicate as before
+    assert fsdp_problem(TrainerSpec(), 3, "collocated") is None  # replicate as before
     bf16 = TrainerSpec(strategy="fsdp", mixed_precision="bf16")  # the float32 heads stay float32 (sharding.py)
-    assert fsdp_problem(bf16, 2, "disaggregated", lora=False) is None
+    assert fsdp_problem(bf16, 2, "disaggregated") is None
 
 
 def test_the_spec_takes_the_fsdp_fields():

@@ -101,6 +101,49 @@ def test_openvla_release_trains_on_the_toy_task_async_with_lora_and_token_ratios
     check_learned(run, updates=2)
 
 
+def test_lora_under_fsdp_publishes_and_checkpoints_only_what_trains_and_resumes(tmp_path, toy_openvla):
+    """LoRA over a release with 2 fsdp trainer ranks: the generators get the adapters and the heads only (they hold
+    the release's frozen base), a sharded checkpoint holds no frozen tensor, and the run resumes from it."""
+    import signal
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+    from test_checkpoint_resume import run_interrupted
+
+    from vlaslurm.rundir import RunDir, read_info
+    from vlaslurm.runtime import checkpoint as ckpt
+    from vlaslurm.runtime.local import resume_local
+    from vlaslurm.runtime.signals import REQUEUE_EXIT
+
+    model = {"type": "openvla", "path": str(toy_openvla), "action_chunk": 1, "action_dim": 2, "lora": {"rank": 4}}
+    algo = {"type": "ppo", "steps_per_update": 16, "logprob_level": "token"}
+    run_spec_ = spec(toy_env(state=False), model, algo, "sync", 16 * 6)
+    run_spec_["rollout"]["weight_sync"] = "filesystem"
+    run_spec_["trainer"] = {"strategy": "fsdp"}
+    ranks = ["runtime.local_ranks={simulator: 1, generator: 1, trainer: 2}"]
+    cut = run_interrupted(tmp_path, run_spec_, ranks, after_version=2, sig=signal.SIGUSR2)
+    assert cut.rc == REQUEUE_EXIT, cut.log("trainer", 0)[-3000:]
+
+    def trains(name: str) -> bool:  # adapters and everything outside the VLA (heads)
+        return ".lora_" in name or not name.startswith("vla.")
+
+    published = sorted(RunDir(cut.run_dir).weights.glob("v*.safetensors"))
+    assert published
+    with safe_open(str(published[-1]), "pt") as f:
+        names = list(f.keys())
+    assert any(".lora_" in n for n in names) and all(trains(n) for n in names), names
+
+    saved = ckpt.latest(cut.run_dir)
+    assert saved is not None and ckpt.is_sharded(saved)
+    keys = [k.removeprefix("model.") for k in dcp.FileSystemReader(str(saved)).read_metadata().state_dict_metadata]
+    model_keys = [k for k in keys if not k.startswith("optim.")]
+    assert any(".lora_" in k for k in model_keys) and all(trains(k) for k in model_keys), model_keys
+
+    assert resume_local(read_info(cut.run_dir), echo=False, timeout_s=240) == 0, cut.log("trainer", 0)[-3000:]
+    assert f"resumed from checkpoint {saved}" in cut.log("trainer", 1)
+    assert (cut.run_dir / "final_model").is_dir()
+
+
 def libero_env(cameras: list, state: bool) -> dict:
     return {
         "type": "libero",

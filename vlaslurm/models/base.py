@@ -71,3 +71,22 @@ class Policy(Protocol):
     def eval(self) -> Any: ...
 
     def to(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def trained_state(policy: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """What training changes of `policy`, which is what a checkpoint saves and a weight publication sends: a policy
+    whose frozen part comes from `model.path` (LoRA over a release) says so (`trained_state_dict`: the adapters and
+    the heads); any other policy, its whole state dict."""
+    trained = getattr(policy, "trained_state_dict", None)
+    return trained() if trained is not None else policy.state_dict()
+
+
+def load_trained_state(policy: torch.nn.Module, weights: Dict[str, torch.Tensor]) -> None:
+    """Load what `trained_state` gave, strictly: exactly the tensors `policy` trains (the rest is `model.path`'s)."""
+    expected = set(trained_state(policy))
+    if set(weights) != expected:
+        missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
+        raise ValueError(
+            f"holds other tensors than the policy trains (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    policy.load_state_dict(weights, strict=False)

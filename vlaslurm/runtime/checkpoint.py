@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vlaslurm.log import get_logger
+from vlaslurm.models import load_trained_state, trained_state
 from vlaslurm.rundir import RunDir, fsync_quietly, layout, write_atomic
 from vlaslurm.rundir.records import append_checkpoint_fallback
 
@@ -237,10 +238,8 @@ def required_files(optimizer: Optional[torch.optim.Optimizer]) -> Sequence[str]:
 
 
 def _trained_state(policy: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    """What a checkpoint saves of the policy: a policy whose frozen part comes from `model.path` (LoRA over a
-    release) says what trains (`trained_state_dict`); any other policy saves its whole state dict."""
-    trained = getattr(policy, "trained_state_dict", None)
-    return _state_dict(policy, trained() if trained is not None else None)
+    """What a checkpoint saves of the policy (`models.trained_state`), as contiguous host tensors."""
+    return _state_dict(policy, trained_state(policy))
 
 
 def _state_dict(module: torch.nn.Module, state: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
@@ -379,17 +378,10 @@ def _restore_state(path: Path) -> TrainerState:
 
 def _load_trained(policy: torch.nn.Module, weights: Dict[str, torch.Tensor], file: Path) -> None:
     """Strictly the tensors `_trained_state` saved: all of them, or exactly the trained ones."""
-    trained = getattr(policy, "trained_state_dict", None)
-    if trained is None:
-        policy.load_state_dict(weights)
-        return
-    expected = set(trained())
-    if set(weights) != expected:
-        missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
-        raise CheckpointError(
-            file, f"holds other tensors than the policy trains (missing {missing[:3]}, unexpected {unexpected[:3]})"
-        )
-    policy.load_state_dict(weights, strict=False)
+    try:
+        load_trained_state(policy, weights)
+    except ValueError as err:
+        raise CheckpointError(file, str(err)) from None
 
 
 def ledger_rows(path: Path) -> List[dict]:
@@ -440,13 +432,24 @@ def _owned(name: str, rank: int) -> bool:
 
 
 def _dcp_state(policy: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
-    """Model and optimizer state keyed by parameter names (DTensor shards): what DCP saves and reshards on load."""
+    """Model and optimizer state keyed by parameter names (DTensor shards): what DCP saves and reshards on load.
+    Frozen parameters (a LoRA policy's base: nearly all of a 7B model) are left out, as `_trained_state` leaves
+    them out of a replicated checkpoint: a resume rebuilds them from `model.path`."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if optimizer is None:
-        return {"model": get_model_state_dict(policy)}
-    model, optim = get_state_dict(policy, optimizer)  # a fresh optimizer gets zero state first (lr 0 step)
+        return {"model": get_model_state_dict(policy, options=_dcp_options())}
+    # a fresh optimizer gets zero state first (lr 0 step)
+    model, optim = get_state_dict(policy, optimizer, options=_dcp_options())
     return {"model": model, "optim": optim}
+
+
+def _dcp_options():
+    """How DCP's state dicts treat frozen parameters (the import is heavy: built when needed)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # strict=False on load: the frozen parameters are not in the state dict by design
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def save_sharded(
@@ -516,14 +519,16 @@ def load_sharded(
     if optimizer is None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-        set_model_state_dict(policy, state["model"])
+        set_model_state_dict(policy, state["model"], options=_dcp_options())
         return _restore_state(path)
     # Parameters that never had optimizer state (GRPO's unused value head) are not in the checkpoint: load the
     # rest, then drop the zero state `_dcp_state` gave them, so the optimizer is exactly the saved one.
     saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     planner = dcp.DefaultLoadPlanner(allow_partial_load=True)
     dcp.load({"optim": state["optim"]}, checkpoint_id=str(path), process_group=group, planner=planner)
-    set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_dcp_options()
+    )
     for name, param in policy.named_parameters():
         if not any(key.startswith(f"optim.state.{name}.") for key in saved):
             optimizer.state.pop(param, None)

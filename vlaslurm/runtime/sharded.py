@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from vlaslurm.algos.sharding import load_release_slices, materialize_sharded, shard_policy
 from vlaslurm.log import get_logger
-from vlaslurm.models import build_policy_for_shards
+from vlaslurm.models import build_policy_for_shards, trained_state
 from vlaslurm.runtime.weights import manifest_of, plan_buckets
 from vlaslurm.spec.model_types import ModelConfig
 from vlaslurm.spec.trainer_types import TrainerSpec
@@ -103,13 +103,14 @@ def shard_trainer_policy(policy: nn.Module, trainer: TrainerSpec, group, device:
 def gather_full_state(
     policy: nn.Module, bucket_bytes: int, keep: bool, observe: Optional[Callable[[int], None]] = None
 ) -> Dict[str, Tensor]:
-    """Every tensor of a sharded policy in full, gathered one bucket at a time (a collective: every trainer rank
-    calls it). On the device a rank holds its shards plus at most one bucket of full tensors (`bucket_bytes`, or
-    the largest tensor if that is larger); with `keep` (rank 0) each bucket moves to host memory and the whole
-    state dict is returned, otherwise it is dropped and {} is returned. `observe` gets each bucket's bytes."""
+    """Every tensor of a sharded policy that trains (`models.trained_state`: with LoRA the adapters and the heads,
+    else all) in full, gathered one bucket at a time (a collective: every trainer rank calls it). On the device a
+    rank holds its shards plus at most one bucket of full tensors (`bucket_bytes`, or the largest tensor if that is
+    larger); with `keep` (rank 0) each bucket moves to host memory and the whole state dict is returned, otherwise
+    it is dropped and {} is returned. `observe` gets each bucket's bytes."""
     from torch.distributed.tensor import DTensor
 
-    state = policy.state_dict()
+    state = trained_state(policy)
     out: Dict[str, Tensor] = {}
     for bucket in plan_buckets(manifest_of(state), bucket_bytes):  # the weight broadcast's own plan
         full = {}

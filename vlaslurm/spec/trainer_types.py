@@ -58,10 +58,10 @@ FSDP_ONLY = ("mixed_precision", "activation_checkpointing", "cpu_offload", "repl
 
 
 def fsdp_problem(
-    trainer: TrainerSpec, ranks: int, layout: str, lora: bool, ranks_from: str = "resources.trainer"
+    trainer: TrainerSpec, ranks: int, layout: str, ranks_from: str = "resources.trainer"
 ) -> Optional[Tuple[str, str]]:
     """(field, message) of the first `trainer:` setting the runtime cannot do with `ranks` trainer ranks (counted
-    from `ranks_from`), the `layout` and LoRA (`lora`), or None. The loader's cross-field pass raises it with the
+    from `ranks_from`) and the `layout`, or None. The loader's cross-field pass raises it with the
     field's line; the trainer checks it again at start."""
     if trainer.strategy != "fsdp":
         changed = [name for name in FSDP_ONLY if getattr(trainer, name) != getattr(TrainerSpec, name)]
@@ -72,13 +72,6 @@ def fsdp_problem(
         return (
             "trainer.replicas",
             f"must divide the number of trainer ranks, {ranks} ({ranks_from}); got {trainer.replicas}",
-        )
-    if lora:
-        return (
-            "trainer.strategy",
-            "fsdp with model.lora is not supported: its checkpoints and weight publication move whole sharded "
-            "state dicts, not the few adapter tensors LoRA trains; use strategy: replicate (LoRA's trainable "
-            "state is small) or remove model.lora",
         )
     if layout == "collocated":
         return (

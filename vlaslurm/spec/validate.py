@@ -425,9 +425,8 @@ def _check_sharding(loaded: LoadedSpec) -> None:
     from vlaslurm.spec.plan import build_plan  # the plan module imports the loader, which imports this one
 
     spec = loaded.spec
-    lora = getattr(spec.model, "lora", None) is not None
     for ranks, where in _role_ranks(loaded, "trainer", build_plan(loaded).ranks()["trainer"]):
-        problem = fsdp_problem(spec.trainer, ranks, spec.resources.layout, lora, where)
+        problem = fsdp_problem(spec.trainer, ranks, spec.resources.layout, where)
         if problem is not None:
             raise loaded.error(*problem)
 

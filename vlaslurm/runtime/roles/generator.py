@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from vlaslurm.log import get_logger, set_context
-from vlaslurm.models import PolicyInput, build_policy
+from vlaslurm.models import PolicyInput, build_policy, load_trained_state
 from vlaslurm.rundir import Counters, EventLog, Heartbeat
 from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime import signals
@@ -232,7 +232,7 @@ class Generator:
 
     def install(self, version: int, state_dict) -> None:
         self.offloader.onload(version)
-        self.policy.load_state_dict(state_dict if self.weight_lag is None else self.weight_lag.served(state_dict))
+        load_trained_state(self.policy, state_dict if self.weight_lag is None else self.weight_lag.served(state_dict))
         self.version = version
         newest_older = max((v for v in self.budget_bases if v < version), default=-1)  # stands in for an unheard base
         self.budget_bases = {v: b for v, b in self.budget_bases.items() if v >= newest_older}

@@ -27,7 +27,7 @@ from vlaslurm.algos.batch import TrainBatch, collate, decode_strings, encode_str
 from vlaslurm.algos.learners import DataParallel, make_learner
 from vlaslurm.algos.sharding import ShardedDataParallel
 from vlaslurm.log import get_logger, set_context
-from vlaslurm.models import build_policy
+from vlaslurm.models import build_policy, load_trained_state, trained_state
 from vlaslurm.rundir import Counters, EventLog, Heartbeat, RunDir, append_metrics, read_heartbeats
 from vlaslurm.runtime import checkpoint as ckpt
 from vlaslurm.runtime import messages as msgs
@@ -489,7 +489,7 @@ class Shards:
 
 def check_strategy(cfg: TrainerConfig, ranks: int) -> None:
     """What the loader refuses too (`fsdp_problem`), checked again here: a spec from elsewhere fails with the field."""
-    problem = fsdp_problem(cfg.trainer, ranks, cfg.layout, getattr(cfg.model, "lora", None) is not None)
+    problem = fsdp_problem(cfg.trainer, ranks, cfg.layout)
     if problem is not None:
         raise ValueError(f"{problem[0]}: {problem[1]}")
 
@@ -632,7 +632,7 @@ def lead(
     offloader = trainer_offloader(ctx, cfg.layout, policy, learner, col.events)
     first = shards.full_state(keep=True) if shards is not None else None  # fsdp: the followers join this gather
     leave_device(ctx, col, offloader, version, ctx.deadlines.first_s)  # the other ranks are still starting
-    publisher.publish(version, policy.state_dict() if first is None else first)
+    publisher.publish(version, trained_state(policy) if first is None else first)
     col.mark_published(version)
     del first
     idle = Idle(ctx, col, group, src)
@@ -752,7 +752,7 @@ def stop_shards(
 def unsharded_policy(cfg: TrainerConfig, ctx: RankContext, state: Dict[str, torch.Tensor]) -> torch.nn.Module:
     """The final model of an fsdp trainer, whole in rank 0's host memory, to save as the replicated one is."""
     policy = cast(torch.nn.Module, build_policy(cfg.model, **ctx.member("simulator", 0).extra))
-    policy.load_state_dict(state)
+    load_trained_state(policy, state)
     return policy
 
 
@@ -818,14 +818,15 @@ def publish_version(
     version: int,
     gathered: Optional[Dict[str, torch.Tensor]] = None,
 ) -> None:
-    """Hand `version` to the generators: `policy`'s state dict, or the full weights `gathered` from shards."""
+    """Hand `version` to the generators: what trains of `policy` (`trained_state`: with LoRA the adapters and the
+    heads, the generators hold `model.path`'s frozen rest), or the full weights `gathered` from shards."""
     col.events.add("publish", t=ctx.now(), v=version)
     col.mark_published(version)
     # Announce first: generators look for weights when announced (a broadcast waits for all of them);
     # lock-step requests for the new version wait at the generator until it is installed.
     col.announce(version, force=True)
     leave_device(ctx, col, offloader, version, ctx.deadlines.running_s)
-    state = policy.state_dict() if gathered is None else gathered
+    state = trained_state(policy) if gathered is None else gathered
     try:
         publisher.publish(version, state)  # the WeightPublisher protocol: no per-call timeout
     except Exception as err:
