@@ -106,6 +106,7 @@ def rollout_segments(
                 bool(res.truncated[i]),
                 bool(res.success[i]),
                 None if out.token_logprob is None else out.token_logprob[i].numpy(),
+                None if out.replay is None else {k: v[i].numpy() for k, v in out.replay.items()},
             )
             if res.terminated[i] or res.truncated[i]:
                 finished.append(int(i))

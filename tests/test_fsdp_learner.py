@@ -2,7 +2,9 @@
 leaves the same parameters as one replicated rank on the same global batch, for PPO and GRPO, with and without
 micro-batches and activation checkpointing; each rank holds its share of the parameters and of Adam's state.
 With `mixed_precision: bf16` (2 ranks, PPO and GRPO, the look-alike policy and a tiny released OFT policy) the update
-runs, the master parameters and Adam's state stay float32, and the step is close to a float32 replicated one.
+runs, the master parameters and Adam's state stay float32, and the step is close to a float32 replicated one. LoRA over
+a tiny release (frozen base sharded beside the adapters) and a tiny π0 (its Gemma layers in the root unit) on 2 ranks
+equal one replicated rank too.
 
 Real torch.distributed, no fakes: one spawn of 4 gloo ranks runs every world size on a group of its first ranks (as
 the runtime's trainers are a group of the job), about 60 s in all on 2 shared cores, most of it the spawn (+25 s bf16).
@@ -119,6 +121,7 @@ def _rank(rank: int, tmp: str) -> None:
         if rank < 2:
             _run_bf16(rank, groups[2], tmp)
             _run_lora(rank, groups[2], tmp)
+            _run_pi0(rank, groups[2], tmp)
         dist.barrier()  # the other ranks wait for the bf16 cases before the group goes
     finally:
         dist.destroy_process_group()
@@ -199,6 +202,37 @@ def test_a_lora_policy_under_fsdp_updates_as_one_replicated_rank(spawned: Path) 
     assert_same_update(torch.load(spawned / "params-lora.pt"), reference, "lora")
 
 
+def pi0_policy():
+    from vlaslurm.models.pi0.build import tiny_pi0
+    from vlaslurm.models.pi0.flow import FlowSettings
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return tiny_pi0(CHUNK, 2, 2, FlowSettings(denoise_steps=3, noise_method="flow_noise"), "expert", 0)
+
+
+def _run_pi0(rank: int, group: dist.ProcessGroup, tmp: str) -> None:
+    """π0 on 2 ranks: its SigLIP layers are units, its Gemma layers (prefix and expert) stay in the root unit."""
+    policy = shard_policy(pi0_policy(), group)
+    learner = make_learner(_algo("ppo", "action"), policy, ShardedDataParallel(group, rank, 2), 7, TrainerSpec())
+    learner.update(torch.load(f"{tmp}/batch-pi0.pt", weights_only=False), version=5)
+    full = full_state_dict(policy)
+    if rank == 0:
+        torch.save(full, Path(tmp) / "params-pi0.pt")
+
+
+def test_a_pi0_policy_under_fsdp_updates_as_one_replicated_rank(spawned: Path) -> None:
+    policy = pi0_policy()
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    batch = torch.load(spawned / "batch-pi0.pt", weights_only=False)
+    make_learner(_algo("ppo", "action"), policy, DataParallel(None, 0, 1), 7).update(batch, version=5)
+    reference = policy.state_dict()
+    moved = {n for n, v in reference.items() if not torch.equal(v, before[n])}
+    assert any(".dit." in n for n in moved) and any(".language_model." in n for n in moved)  # expert and prefix
+    assert any("vision_tower" in n for n in moved) and "noise_head.weight" in moved
+    assert_same_update(torch.load(spawned / "params-pi0.pt"), reference, "pi0")
+
+
 def _watch_dtypes(policy: torch.nn.Module) -> Dict[str, set]:
     """Records, for the policy's float32 units and its Llama layers, the (parameter, input) dtypes each forward
     computes with (the hooks run after FSDP's own: parameters gathered and inputs cast)."""
@@ -264,6 +298,7 @@ def spawned(tmp_path_factory, batch) -> Path:
     write_tiny_release(tmp / "release", oft=True, action_dim=2, proprio_dim=2)
     segments = rollout_segments(release_policy(str(tmp / "release")), num_envs=8, chunks=6, group_size=4)
     torch.save(collate(segments), tmp / "batch-release.pt")
+    torch.save(collate(rollout_segments(pi0_policy(), num_envs=4, chunks=4)), tmp / "batch-pi0.pt")
     mp.start_processes(_rank, args=(str(tmp),), nprocs=max(WORLDS), start_method="spawn", join=True)
     return tmp
 

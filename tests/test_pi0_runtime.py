@@ -109,14 +109,17 @@ def spec(mode: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_pi0_run_trains_on_the_paths_its_generator_sampled(tmp_path: Path, mode: str) -> None:
-    run = run_spec(tmp_path, spec(mode), name=f"pi0-{mode}", timeout_s=300)
+# sync with 2 fsdp trainer ranks: the sharded trainer's recomputed densities must equal the generator's too
+@pytest.mark.parametrize("mode,trainers", [("sync", 2), ("async", 1)])
+def test_a_pi0_run_trains_on_the_paths_its_generator_sampled(tmp_path: Path, mode: str, trainers: int) -> None:
+    sharded = ["trainer.strategy=fsdp", f"runtime.local_ranks={{simulator: 1, generator: 1, trainer: {trainers}}}"]
+    run = run_spec(tmp_path, spec(mode), sharded if trainers > 1 else [], name=f"pi0-{mode}", timeout_s=300)
     assert run.rc == 0, run.log("trainer", 0)[-3000:] + run.log("generator", 0)[-2000:]
     rows = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     updates = [r for r in rows if "losses/approx_kl" in r]
     assert len(updates) >= 2, rows
     assert run.ledger["behavior_version"].max() >= 1  # later segments acted by an updated policy
+    assert trainers == 1 or "==== trainer[1]" in run.log("trainer", 1)  # the second fsdp rank took part
     if mode == "sync":  # on-policy: the stored paths' density under the weights that sampled them is the sampling one
         weights = [r["losses/is_weight"] for r in updates]  # behaviour vs. recomputed log-prob, exp'd, averaged
         assert all(abs(w - 1.0) < 1e-4 for w in weights) and all(r["losses/is_capfrac"] == 0 for r in updates), weights
@@ -124,8 +127,7 @@ def test_a_pi0_run_trains_on_the_paths_its_generator_sampled(tmp_path: Path, mod
 
 @pytest.mark.parametrize(
     "section,key",
-    [({"algo": {"type": "ppo", "logprob_level": "token"}}, "algo.logprob_level"),
-     ({"trainer": {"strategy": "fsdp"}}, "trainer.strategy")],
+    [({"algo": {"type": "ppo", "logprob_level": "token"}}, "algo.logprob_level")],
 )  # fmt: skip
 def test_plan_refuses_what_a_pi0_trainer_cannot_do(tmp_path: Path, section: dict, key: str) -> None:
     path = tmp_path / "spec.yaml"

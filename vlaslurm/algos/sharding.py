@@ -26,15 +26,20 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-# Class names of the blocks that become their own FSDP unit: transformers' Llama layer, the towers' ViT block, and
-# the look-alike policies' Llama layers (the same class).
-BLOCK_CLASSES = ("LlamaDecoderLayer", "Block")
+# Class names of the blocks that become their own FSDP unit: transformers' Llama layer, the towers' ViT block, the
+# look-alike policies' Llama layers (the same class), and π0's SigLIP layers. π0's Gemma layers stay in the root unit
+# (gathered for the whole forward, reduced once): FSDP2 gathers a unit's parameters for each call and reduces its
+# gradients once the gradients of that call's inputs are done, but π0's action expert runs once per denoising step
+# in one act or evaluate, and its language model's layers hand their keys and values to the expert through the KV
+# cache, outside their outputs: as units, either would have parameters freed while a later gradient needs them.
+BLOCK_CLASSES = ("LlamaDecoderLayer", "Block", "SiglipEncoderLayer")
 # The policy methods the runtime calls in place of forward(): FSDP must gather the root's parameters for them.
 POLICY_METHODS = ("act", "evaluate")
 # With bf16, the parts that compute in float32 by design become float32 units, which cast their inputs to float32:
 # the value head (a bf16 one rounds returns of ~1e2 to 3 digits), the look-alikes' Gaussian mean head (it reads a
-# `.float()` feature) and image stem (float32 pixels), and the OFT release's heads (kept in float32 in releases).
-FLOAT32_ATTRIBUTES = ("value_head", "action_head", "proprio_projector")
+# `.float()` feature) and image stem (float32 pixels), the OFT release's heads (kept in float32 in releases), and
+# π0's noise head (Flow-Noise's learned std, float32 like its value head).
+FLOAT32_ATTRIBUTES = ("value_head", "action_head", "proprio_projector", "noise_head")
 FLOAT32_CLASSES = ("VisionStem", "L1RegressionActionHead", "ProprioProjector")
 MixedPrecision = Literal["fp32", "bf16"]
 

@@ -215,8 +215,7 @@ def _check_model(loaded: LoadedSpec) -> None:
 
 def _check_pi0(loaded: LoadedSpec) -> None:
     """The π0 sampler's fields (`flow_problem`, which the policy's FlowSettings also applies), and what its
-    trainer cannot do: per-token ratios (a chunk's log-prob is its denoising path's density, one per action) and,
-    not yet, sharding (π0's PaliGemma and expert layers are not FSDP units)."""
+    trainer cannot do: per-token ratios (a chunk's log-prob is its denoising path's density, one per action)."""
     model = loaded.spec.model
     if not isinstance(model, PI0PolicyConfig):
         return
@@ -228,10 +227,6 @@ def _check_pi0(loaded: LoadedSpec) -> None:
             "algo.logprob_level",
             "'token' needs a log-prob per action dimension; pi0's is its denoising path's density, one per action: "
             "use logprob_level: action (or chunk)",
-        )
-    if loaded.spec.trainer.strategy == "fsdp":
-        raise loaded.error(
-            "trainer.strategy", "fsdp is not built for pi0 yet (its layers are not FSDP units): use replicate"
         )
 
 
