@@ -8,7 +8,11 @@ from typing import Dict, List, Tuple
 
 import pytest
 import torch
+from learner_helpers import algo_config, rollout_segments
 
+from vlaslurm.algos.batch import collate
+from vlaslurm.algos.learners import DataParallel, make_learner
+from vlaslurm.models import trained_state
 from vlaslurm.models.base import PolicyInput, PolicyOutput
 from vlaslurm.models.pi0.build import tiny_pi0
 from vlaslurm.models.pi0.flow import FlowSettings, Method
@@ -136,3 +140,42 @@ def test_evaluate_refuses_samples_without_their_paths() -> None:
         pol.evaluate(inp, out.actions)
     with pytest.raises(ValueError, match="last step"):
         pol.evaluate(replayed(inp, out), out.actions + 1)
+
+
+def test_the_stem_reads_the_frames_for_the_instruction_and_its_paths_replay(tmp_path) -> None:
+    """vision: stem (the tiny quickstart's): the stem, not the SigLIP tower, makes the image tokens, conditioned on
+    the instruction; the stored paths replay to the sampling log-probs; a save keeps the stem and its actions."""
+    from vlaslurm.models.pi0.build import load_pi0
+
+    settings = FlowSettings(denoise_steps=4, noise_method="flow_sde", sde_steps=1)
+    pol = tiny_pi0(CHUNK, ACTION_DIM, STATE_DIM, settings, seed=3, vision="stem")
+    assert pol.stem is not None
+    inp = observations()
+    out = pol.act(inp)
+    assert torch.allclose(pol.evaluate(replayed(inp, out), out.actions).logprob, out.logprob, atol=1e-5, rtol=0)
+    mean = pol.act(inp, deterministic=True).actions
+    darker = PolicyInput(IMAGES // 2, STATE, list(INSTRUCTIONS), inp.seeds)
+    other = PolicyInput(IMAGES, STATE, INSTRUCTIONS[1:] + INSTRUCTIONS[:1], inp.seeds)
+    assert not torch.allclose(pol.act(darker, deterministic=True).actions, mean)  # the frames matter
+    assert not torch.allclose(pol.act(other, deterministic=True).actions[1], mean[1])  # and the instruction
+    pol.pi0.model.vlm.vision_tower = None  # never read with the stem
+    assert torch.equal(pol.act(inp, deterministic=True).actions, mean)
+    tower_free = tiny_pi0(CHUNK, ACTION_DIM, STATE_DIM, settings, seed=3, vision="stem")
+    loaded = load_pi0(tower_free.save_pretrained(tmp_path / "stem"))
+    assert loaded.vision == "stem" and torch.equal(loaded.act(inp, deterministic=True).actions, mean)
+
+
+def test_train_expert_only_freezes_paligemma_and_publishes_the_rest() -> None:
+    """model.train_expert_only (πRL's recipes): a PPO update moves the expert and the heads, not PaliGemma, and what
+    trains (what a publication or a checkpoint carries) leaves PaliGemma out."""
+    settings = FlowSettings(denoise_steps=3, noise_method="flow_sde", sde_steps=1)
+    pol = tiny_pi0(CHUNK, ACTION_DIM, STATE_DIM, settings, seed=3)
+    pol.freeze_vlm()
+    before = {k: v.clone() for k, v in pol.state_dict().items()}
+    batch = collate(rollout_segments(pol, num_envs=4, chunks=3))
+    make_learner(algo_config("ppo", "action"), pol, DataParallel(None, 0, 1), 7).update(batch, version=1)
+    moved = {k for k, v in pol.state_dict().items() if not torch.equal(v, before[k])}
+    assert moved and not any(k.startswith("pi0.model.vlm.") for k in moved)
+    assert any(k.startswith("pi0.model.dit.") for k in moved) and "value_head.weight" in moved
+    published = trained_state(pol)
+    assert published and not any(k.startswith("pi0.model.vlm.") for k in published) and moved <= set(published)

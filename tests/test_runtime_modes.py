@@ -308,3 +308,28 @@ def test_sync_success_rate_counts_only_the_episodes_begun_at_a_phase_reset(tmp_p
 def test_episodes_that_run_on_across_updates_all_count(mode_runs: Dict[str, Run], mode: str) -> None:
     ledger = mode_runs[mode].ledger
     assert ledger[ledger.terminated | ledger.truncated].scored.all()
+
+
+def test_a_chunk_runs_only_its_executed_actions() -> None:
+    """model.execute_actions: the first n actions of each chunk run, the rest are masked out (no reward, no ratio)."""
+    cfg = SyntheticEnvConfig(type="synthetic", step_ms=StepTimeConfig(dist="constant", mean=1.0), episode_steps=50)
+    env = make_env(cfg, num_envs=2, rank=0, seed=0)
+    env.reset([0, 1])
+    result = run_chunk(env, np.array([0, 1]), np.zeros((2, 4, env.action_dim), np.float32), executed=2)
+    assert result.mask[:, :2].all() and not result.mask[:, 2:].any() and not result.rewards[:, 2:].any()
+    assert [o[1][0] for o in result.last_obs] == [2 / 50, 2 / 50]  # the state counts steps
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_executing_part_of_each_chunk_still_fills_each_update(tmp_path: Path, mode: str) -> None:
+    """Chunks of 4 of which 2 run: a sync phase takes enough decisions for an update's env steps, the budgets count
+    the steps that run, and every segment's decisions each ran 2 steps (the last one of an episode at most 2)."""
+    spec = synthetic_spec(mode, num_envs=4, episode_steps=9, action_chunk=4, steps_per_update=32, total_env_steps=96)
+    spec["model"]["execute_actions"] = 2
+    run = run_spec(tmp_path, spec, name=f"executed-{mode}")
+    assert run.rc == 0, run.log("trainer", 0)[-3000:]
+    rows = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert len(rows) >= 3 and all(r["env_steps"] >= 32 * (i + 1) for i, r in enumerate(rows[:3]))
+    ledger = run.ledger
+    decisions = ledger.step_ids.apply(len)
+    assert (ledger.steps <= 2 * decisions).all() and (ledger.steps >= 2 * decisions - 1).all()

@@ -159,7 +159,9 @@ def episode_layout(batch: TrainBatch, group_size: int) -> EpisodeLayout:
     """Assemble a batch's segments into episodes (segments of one episode may come in pieces, cut when
     the behaviour version changed or at the length cap, in any order)."""
     t = batch.tensors
-    chunk_size = t["actions"].shape[2]
+    # Env steps per decision: the chunk, or the first `model.execute_actions` of it. Every decision of an episode
+    # but its last runs them all, and a GRPO batch holds whole episodes, so the longest decision here has it.
+    chunk_size = max(int(t["mask"].sum(-1).max()), 1) if t["mask"].numel() else t["actions"].shape[2]
     keys, episode = torch.unique(torch.stack([t["env_id"], t["episode"]], 1), dim=0, return_inverse=True)
     E = len(keys)
     chunk = torch.div(t["step_ids"], chunk_size, rounding_mode="floor")

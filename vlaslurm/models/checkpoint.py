@@ -47,6 +47,7 @@ ActionTransform = Callable[[np.ndarray], np.ndarray]
 CONFIG_FILE = "config.json"
 RELEASE_MODEL_TYPE = "openvla"
 PI0_MODEL_TYPE = "pi0"  # transformers' PI0Config.model_type
+PI0_POLICY_FILE = "vlaslurm_pi0.json"  # beside a π0 this project saved: action size, sampler, critic, vision
 WEIGHTS_SUFFIX = ".safetensors"  # the shards, or the one file save_pretrained writes when everything fits
 TOKENIZER_FILE = "tokenizer.json"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -187,7 +188,7 @@ def check_checkpoint(
     `images` (whether the environment gives them) must be true for a proprio projector and for any VLA.
     """
     if cfg.path is not None and isinstance(cfg, PI0PolicyConfig):
-        return _check_pi0_folder(Path(cfg.path).expanduser())
+        return _check_pi0_folder(Path(cfg.path).expanduser(), cfg.vision)
     if cfg.path is None or not isinstance(cfg, VLAConfig):
         return
     path = Path(cfg.path).expanduser()
@@ -230,7 +231,7 @@ def check_checkpoint(
         )
 
 
-def _check_pi0_folder(folder: Path) -> None:
+def _check_pi0_folder(folder: Path, vision: str) -> None:
     if not folder.is_dir():
         raise CheckpointError(
             "model.path", f"folder {str(folder)!r} does not exist (relative paths: from {Path.cwd()})"
@@ -244,6 +245,10 @@ def _check_pi0_folder(folder: Path) -> None:
         )
     if not any(p.is_file() for p in folder.glob(f"*{WEIGHTS_SUFFIX}")):
         raise CheckpointError("model.path", f"folder {str(folder)!r} holds no weights (*{WEIGHTS_SUFFIX} files)")
+    saved = folder / PI0_POLICY_FILE
+    saved_vision = _read_json(saved, "model.path").get("vision", "siglip") if saved.is_file() else "siglip"
+    if saved_vision != vision:
+        raise CheckpointError("model.vision", f"is {vision} but {folder} was saved with vision: {saved_vision}")
 
 
 def _check_files(folders: CheckpointFolders, field: str) -> None:

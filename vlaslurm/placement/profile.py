@@ -332,7 +332,7 @@ def _measure_simulator(spec, budget_s: float) -> Dict[str, Any]:
     # With a shared device, instances stepped from threads at once would queue for it in their samples, and the
     # simulation queues them again: step them one after another, each alone on the device.
     per_instance = _per_instance(env, counts[-1], rng, budget_s / 2, threaded=device == 0.0)
-    run_chunk_cpu = _run_chunk_cpu(env, spec.model.action_chunk, rng)
+    run_chunk_cpu = _run_chunk_cpu(env, spec.model.steps_per_decision, rng)
     dims = env_dims(env, spec.env)
     final_obs = env.reset(list(range(counts[-1])))
     env.close()

@@ -74,7 +74,7 @@ class Workload:
         sim, gen, train = (float(spec.role_resources(role).cpus_per_task) for role in ROLES)
         return cls(
             spec.env.num_envs,
-            spec.model.action_chunk,
+            spec.model.steps_per_decision,
             spec.algo.steps_per_update,
             r.max_staleness,
             r.stale_policy,

@@ -78,8 +78,10 @@ def run_chunk(
     cancel: Optional[threading.Event] = None,
     on_step: Optional[Callable[[], None]] = None,
     to_env: Optional[Callable[[np.ndarray], np.ndarray]] = None,
+    executed: Optional[int] = None,
 ) -> ChunkResult:
-    """Execute `actions` [n, C, A] open-loop; an instance stops at the end of its episode. Once `cancel` is
+    """Execute `actions` [n, C, A] open-loop, the first `executed` of each chunk (`model.execute_actions`; None:
+    all C, the rest stay unmasked); an instance stops at the end of its episode. Once `cancel` is
     set the chunk ends after the step under way (the mask says which steps ran; at least one always does).
     `on_step` is called as each step starts (the simulator times its steps from it). `to_env` maps the
     policy's actions to the environment's (`vlaslurm.models.env_action_transform`: de-normalisation, gripper
@@ -92,7 +94,7 @@ def run_chunk(
     terminated, truncated, success = np.zeros(n, bool), np.zeros(n, bool), np.zeros(n, bool)
     last: List[Optional[EnvObs]] = [None] * n
     active = np.ones(n, bool)
-    for k in range(chunk):
+    for k in range(chunk if executed is None else min(executed, chunk)):
         rows = np.flatnonzero(active)
         if on_step is not None:
             on_step()

@@ -148,10 +148,12 @@ def run_episodes(
     act: Act,
     outcomes: Outcomes,
     to_env: Optional[Callable[[np.ndarray], np.ndarray]] = None,
+    executed: Optional[int] = None,
 ) -> None:
     """Run the episodes of `env`'s instances (global ids from `first_gid`; `num_envs` over all ranks):
     each instance in turn runs episodes gid, gid + n, ... below cfg.episodes, with partial resets.
-    `to_env` maps the policy's actions to the environment's (`env_action_transform`); traces keep the policy's."""
+    `to_env` maps the policy's actions to the environment's (`env_action_transform`); traces keep the policy's.
+    `executed`: the first actions of each chunk that run (`model.execute_actions`)."""
     n = min(num_envs, cfg.episodes)
     episode = {i: first_gid + i for i in range(env.num_envs) if first_gid + i < n}
     if not episode:
@@ -162,7 +164,7 @@ def run_episodes(
     trace: Dict[int, list] = {i: [] for i in ids}
     while ids:
         actions = act(obs, Decision([first_gid + i for i in ids], [episode[i] for i in ids], [steps[i] for i in ids]))
-        result = run_chunk(env, np.asarray(ids, dtype=np.int64), actions, to_env=to_env)
+        result = run_chunk(env, np.asarray(ids, dtype=np.int64), actions, to_env=to_env, executed=executed)
         going = []
         for row, i in enumerate(ids):
             trace[i].append(
@@ -215,7 +217,10 @@ def play(
     try:
         policy = make_policy(env).eval()
         act = local_act(policy, cfg, spec.rollout.seed)
-        run_episodes(env, 0, spec.env.num_envs, cfg, spec.rollout.seed, act, outcomes, env_action_transform(spec.model))
+        to_env = env_action_transform(spec.model)
+        run_episodes(
+            env, 0, spec.env.num_envs, cfg, spec.rollout.seed, act, outcomes, to_env, spec.model.execute_actions
+        )
     finally:
         env.close()
     return write_summary(directory, spec_path, cfg, [outcomes.to_json()])
@@ -320,7 +325,10 @@ def simulate(ctx: RankContext, cfg: EvalRankConfig) -> int:
     client = _GeneratorClient(ctx, outcomes, cfg.seed, cfg.max_frame_bytes)
     try:
         to_env = env_action_transform(cfg.model)  # the generator serves the policy's own actions
-        run_episodes(env, ctx.rank * local, cfg.env.num_envs, cfg.eval, cfg.seed, client.act, outcomes, to_env)
+        executed = cfg.model.execute_actions
+        run_episodes(
+            env, ctx.rank * local, cfg.env.num_envs, cfg.eval, cfg.seed, client.act, outcomes, to_env, executed
+        )
         client.done()
     finally:
         env.close()

@@ -19,8 +19,19 @@ class ModelConfig:
         "over one); None = random init.",
     )
     action_chunk: int = doc(1, "Actions predicted per forward pass (executed open-loop).")
+    execute_actions: Optional[int] = doc(
+        None,
+        "Actions of each chunk the environment executes, the first ones (None: all action_chunk); the rest are "
+        "predicted and dropped, and no ratio, reward or value counts them. πRL's LIBERO recipes execute 5 of "
+        "π0's 50.",
+    )
     action_dim: int = doc(7, "Dimensions of one action (overridden by the simulator when it knows).")
     precision: Literal["fp32", "bf16", "fp16"] = doc("fp32", "Compute precision: fp32, bf16 or fp16.")
+
+    @property
+    def steps_per_decision(self) -> int:
+        """Env steps one decision (one chunk) takes at most: what the schedule and the budgets count in."""
+        return self.action_chunk if self.execute_actions is None else min(self.execute_actions, self.action_chunk)
 
 
 @dataclass
@@ -139,6 +150,17 @@ class PI0PolicyConfig(ModelConfig):
     noise_max: float = doc(0.16, "flow_noise: upper bound of the learned noise std.")
     value_from: Literal["expert", "prefix"] = doc(
         "expert", "Where the critic reads: the action expert's hidden states, or the PaliGemma prefix's."
+    )
+    vision: Literal["siglip", "stem"] = doc(
+        "siglip",
+        "siglip: PaliGemma's vision tower reads the frames (what a release's weights expect); stem: a small FiLM + "
+        "spatial-softmax stem conditioned on the instruction gives the image tokens instead (tiny policies: ViT "
+        "patches of a random tower did not learn the toy task); a folder must have been saved with the same.",
+    )
+    train_expert_only: bool = doc(
+        False,
+        "Freeze PaliGemma (vision tower, projector, language model): only the action expert, its projections, the "
+        "stem and the heads train, as in πRL's recipes; weight publications and checkpoints then carry only those.",
     )
     init_seed: int = doc(0, "Seed of the random initialisation when path is None (equal on every rank).")
 

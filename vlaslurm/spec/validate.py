@@ -201,6 +201,11 @@ def _check_model(loaded: LoadedSpec) -> None:
     for key in ("path", "base_path", "unnorm_key"):  # of whichever model type has them
         if getattr(model, key, None) == "":
             raise loaded.error(f"model.{key}", "must not be empty; remove it to use the default")
+    executed = model.execute_actions
+    if executed is not None and not 1 <= executed <= model.action_chunk:
+        raise loaded.error(
+            "model.execute_actions", f"must lie in [1, action_chunk = {model.action_chunk}] (or null), got {executed}"
+        )
     if not isinstance(model, VLAConfig):
         return
     if model.base_path is not None and model.path is None:

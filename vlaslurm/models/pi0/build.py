@@ -16,7 +16,7 @@ import torch
 
 from vlaslurm.models.pi0.flow import FlowSettings
 from vlaslurm.models.pi0.inputs import HashedWords, ReleaseText, TextEncoder
-from vlaslurm.models.pi0.policy import HEADS_FILE, POLICY_FILE, PI0Policy, ValueFrom
+from vlaslurm.models.pi0.policy import HEADS_FILE, POLICY_FILE, PI0Policy, ValueFrom, Vision
 from vlaslurm.spec.model_types import PI0PolicyConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -41,8 +41,13 @@ def build(cfg: PI0PolicyConfig, action_dim: int, state_dim: int, image_size: int
         raise ValueError("a π0 reads camera images: set env.obs.image_size and env.obs.cameras")
     settings = settings_of(cfg)
     if cfg.path is None:
-        return tiny_pi0(cfg.action_chunk, action_dim, state_dim, settings, cfg.value_from, cfg.init_seed)
-    policy = load_pi0(cfg.path, settings, action_dim, cfg.value_from, DTYPES[cfg.precision])
+        policy = tiny_pi0(cfg.action_chunk, action_dim, state_dim, settings, cfg.value_from, cfg.init_seed, cfg.vision)
+    else:
+        policy = load_pi0(cfg.path, settings, action_dim, cfg.value_from, DTYPES[cfg.precision])
+    if cfg.train_expert_only:
+        policy.freeze_vlm()
+    if policy.vision != cfg.vision:
+        raise ValueError(f"model.vision is {cfg.vision} but {cfg.path} was saved with vision: {policy.vision}")
     if policy.action_chunk != cfg.action_chunk:
         raise ValueError(
             f"model.action_chunk is {cfg.action_chunk} but {cfg.path} has chunk_size {policy.action_chunk}; "
@@ -104,6 +109,7 @@ def tiny_pi0(
     settings: FlowSettings,
     value_from: ValueFrom = "expert",
     seed: int = 0,
+    vision: Vision = "siglip",
 ) -> PI0Policy:
     """A seeded random-init tiny π0 (the caller's RNG state is left as it was)."""
     from transformers import PI0ForConditionalGeneration
@@ -111,7 +117,7 @@ def tiny_pi0(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         pi0 = PI0ForConditionalGeneration(tiny_config(chunk, action_dim, state_dim, settings.denoise_steps))
-        return PI0Policy(pi0.eval(), HashedWords(TINY_VOCAB), settings, action_dim, value_from)
+        return PI0Policy(pi0.eval(), HashedWords(TINY_VOCAB), settings, action_dim, value_from, vision)
 
 
 def load_pi0(
@@ -141,7 +147,8 @@ def load_pi0(
         settings = FlowSettings(**saved)
     dim = action_dim if action_dim is not None else int(meta.get("action_dim", pi0.config.max_action_dim))
     critic = value_from if value_from is not None else meta.get("value_from", "expert")
-    policy = PI0Policy(pi0.to(device).eval(), _text_encoder(folder, meta), settings, dim, critic)
+    vision = meta.get("vision", "siglip")  # a release reads frames with its own tower
+    policy = PI0Policy(pi0.to(device).eval(), _text_encoder(folder, meta), settings, dim, critic, vision)
     _load_heads(policy, folder)
     policy.source = folder
     return policy
@@ -172,9 +179,11 @@ def _load_heads(policy: PI0Policy, folder: Path) -> None:
     from safetensors.torch import load_file
 
     stored, own = load_file(str(file)), policy.heads_state_dict()
-    for head in ("value_head", "noise_head"):
+    for head in ("value_head", "noise_head", "stem"):
         keys = {k for k in own if k.startswith(head + ".")}
         saved = {k: t for k, t in stored.items() if k.startswith(head + ".")}
+        if head == "stem" and keys and not saved:
+            raise ValueError(f"{file} holds no stem, which {POLICY_FILE} says this policy reads frames with")
         if not keys or not saved:
             continue  # a fresh head (e.g. the noise head of a policy saved with flow_sde)
         if set(saved) != keys or any(saved[k].shape != own[k].shape for k in keys):

@@ -27,6 +27,8 @@ import torch
 from torch import nn
 
 from vlaslurm.models.base import PolicyEval, PolicyInput, PolicyOutput
+from vlaslurm.models.checkpoint import PI0_POLICY_FILE
+from vlaslurm.models.common import VisionStem
 from vlaslurm.models.pi0.flow import (
     FlowSettings,
     draw,
@@ -48,8 +50,11 @@ from vlaslurm.models.pi0.inputs import (
 )
 
 ValueFrom = Literal["expert", "prefix"]
+Vision = Literal["siglip", "stem"]
+FROZEN_PREFIX = "pi0.model.vlm."  # PaliGemma under `train_expert_only`
+STEM_CHANNELS, STEM_KEYPOINTS = 32, 16  # the look-alike policies' stem size, which learned the toy task
 HEADS_FILE = "vlaslurm_heads.safetensors"  # value (and noise) heads, beside the release's weights
-POLICY_FILE = "vlaslurm_pi0.json"  # a saved policy's action size, sampler, critic and text encoder
+POLICY_FILE = PI0_POLICY_FILE  # a saved policy's action size, sampler, critic, vision and text encoder
 
 
 @dataclass
@@ -75,6 +80,7 @@ class PI0Policy(nn.Module):
         settings: FlowSettings,
         action_dim: int,
         value_from: ValueFrom = "expert",
+        vision: Vision = "siglip",
     ) -> None:
         super().__init__()
         config = pi0.config
@@ -98,6 +104,14 @@ class PI0Policy(nn.Module):
             self.noise_head = nn.Linear(expert, self.width, dtype=torch.float32, device=device)
             nn.init.zeros_(self.noise_head.weight)
             nn.init.zeros_(self.noise_head.bias)
+        self.vision = vision
+        self.stem: Optional[VisionStem] = None
+        if vision == "stem":  # one token per camera of tokens_per_image x H, split into the image positions
+            width = prefix * self.layout.tokens_per_image
+            self.stem = VisionStem(STEM_CHANNELS, STEM_KEYPOINTS, prefix, width).to(device)
+        elif vision != "siglip":
+            raise ValueError(f"model.vision must be siglip or stem, got {vision!r}")
+        self.train_expert_only = False  # `freeze_vlm`
         self.cache_kw = _cache_keyword()
         self.source: Optional[Path] = None  # the folder it was loaded from (save_pretrained copies its tokenizer)
 
@@ -124,9 +138,12 @@ class PI0Policy(nn.Module):
             raise ValueError("a π0 reads camera images: set env.obs.image_size and env.obs.cameras")
         batch, cameras = inp.images.shape[:2]
         ids, mask = prompt_ids(self.layout, self.text, inp.instructions, cameras, self.device)
-        pixels = pixel_values(self.layout, inp.images.to(self.device), self.dtype)
-        present = torch.ones(batch, cameras, dtype=torch.bool, device=self.device)
-        embeds = self.pi0.model.embed_prefix(ids, pixels, present)
+        if self.stem is None:
+            pixels = pixel_values(self.layout, inp.images.to(self.device), self.dtype)
+            present = torch.ones(batch, cameras, dtype=torch.bool, device=self.device)
+            embeds = self.pi0.model.embed_prefix(ids, pixels, present)
+        else:
+            embeds = self.stem_prefix(ids, mask, inp.images.to(self.device))
         out = self.pi0.model.vlm(
             inputs_embeds=embeds,
             attention_mask=mask,
@@ -137,6 +154,17 @@ class PI0Policy(nn.Module):
         cache = _output_cache(out)
         state = padded_state(self.layout, inp.state, batch, self.device).to(self.dtype)
         return Prefix(cache, mask, state, out.last_hidden_state, cache.get_seq_length())
+
+    def stem_prefix(self, ids: torch.Tensor, mask: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+        """`vision: stem`: the prefix embeddings with the stem's tokens in the image positions (which lead the
+        prompt, camera by camera), the stem FiLM-conditioned on the mean embedding of the instruction's tokens."""
+        assert self.stem is not None
+        n = self.layout.tokens_per_image * images.shape[1]
+        text = self.pi0.model.vlm.get_input_embeddings()(ids[:, n:])
+        real = mask[:, n:, None].to(text.dtype)
+        cond = (text * real).sum(1) / real.sum(1).clamp(min=1)
+        tokens = self.stem(images, cond.float()).reshape(len(ids), n, -1)
+        return torch.cat([tokens.to(text.dtype), text], 1)
 
     def expert(self, prefix: Prefix, x: torch.Tensor, t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """(velocity float32 [B, chunk, D], the action tokens' hidden states [B, chunk, H]) at x [B, chunk, D]
@@ -236,6 +264,17 @@ class PI0Policy(nn.Module):
         return self.act(inp, deterministic=True).actions[0].cpu().numpy()
 
     # --- weights --------------------------------------------------------------------------------------------
+    def freeze_vlm(self) -> None:
+        """`model.train_expert_only`: PaliGemma stops training (its parameters need no gradient)."""
+        self.pi0.model.vlm.requires_grad_(False)
+        self.train_expert_only = True
+
+    def trained_state_dict(self) -> Dict[str, torch.Tensor]:
+        """What training changes (`models.trained_state`): everything, or with `train_expert_only` everything but
+        PaliGemma, which then comes from `model.path` wherever the policy is built."""
+        state = self.state_dict()
+        return {k: t for k, t in state.items() if not (self.train_expert_only and k.startswith(FROZEN_PREFIX))}
+
     def heads_state_dict(self) -> Dict[str, torch.Tensor]:
         return {k: t for k, t in self.state_dict().items() if not k.startswith("pi0.")}
 
@@ -252,6 +291,7 @@ class PI0Policy(nn.Module):
         meta: Dict[str, Any] = {
             "action_dim": self.action_dim,
             "value_from": self.value_from,
+            "vision": self.vision,
             "flow": dataclasses.asdict(self.settings),
         }
         if isinstance(self.text, HashedWords):

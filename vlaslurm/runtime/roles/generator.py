@@ -296,7 +296,7 @@ class Generator:
         base = self.schedule.hold_base(self.budget_bases, self.version, self.dropped_steps, self.consumed_steps)
         generators = self.ctx.info.ranks["generator"]
         return self.schedule.hold_room(
-            self.served_steps, base, self.waiting_steps, generators, self.cfg.model.action_chunk
+            self.served_steps, base, self.waiting_steps, generators, self.cfg.model.steps_per_decision
         )
 
     def serve(self, batch: List[Pending]) -> None:
@@ -332,7 +332,7 @@ class Generator:
         now = time.monotonic()
         for p in batch:
             self.counters.sample("request_latency_s", now - p.arrived)
-        self.served_steps += len(items) * self.cfg.model.action_chunk
+        self.served_steps += len(items) * self.cfg.model.steps_per_decision
         self.counters.busy(t1 - t0)
         self.counters.sample("batch_size", len(items))
         self.counters.add("requests", len(items))

@@ -76,6 +76,11 @@ class SimulatorConfig:
         """Larger frames are refused unread by this rank's sockets."""
         return msgs.max_frame_bytes(self.env, self.action_chunk)
 
+    @property
+    def steps_per_decision(self) -> int:
+        """Env steps of one chunk at most (`model.execute_actions` of `action_chunk`)."""
+        return self.model.steps_per_decision if self.model is not None else self.action_chunk
+
 
 class SimulatorIO:
     """The simulator's sockets: one Dealer per generator, a Push to the trainer, a Sub to its announcements."""
@@ -501,7 +506,15 @@ class Stepper:
         mark = (lambda: started.__setitem__(0, time.monotonic())) if started is not None else None
         result: Union[ChunkResult, BaseException]
         try:
-            result = run_chunk(self.sim.env, np.asarray(locals_), reply.actions, self.cancel, mark, self.to_env)
+            result = run_chunk(
+                self.sim.env,
+                np.asarray(locals_),
+                reply.actions,
+                self.cancel,
+                mark,
+                self.to_env,
+                self.sim.cfg.steps_per_decision,
+            )
         except BaseException as exc:  # noqa: BLE001 - raised in the main loop by `finished`
             result = exc
         self.done.put((g, locals_, reply, result, t0, self.sim.ctx.now()))
@@ -563,7 +576,7 @@ def lockstep_loop(sim: Simulator, io: SimulatorIO, cfg: SimulatorConfig) -> None
     actions as soon as its chunk ends, and steps as soon as they arrive, while the others are served or step."""
     schedule = sim.schedule
     groups = schedule.sub_groups(sim.env.num_envs)
-    per_phase = schedule.phase_chunks(cfg.env.num_envs, cfg.action_chunk, cfg.env.episode_limit())
+    per_phase = schedule.phase_chunks(cfg.env.num_envs, cfg.steps_per_decision, cfg.env.episode_limit())
     stepper = Stepper(sim, io, schedule.step_threads(sim.env.num_envs, sim.env.thread_safe), sim.to_env)
     try:
         wait_version(sim, io, 0)

@@ -203,7 +203,7 @@ class Collector:
         if not self.schedule.whole_groups or self.ready(version):
             return 0
         credited = self.schedule.credited(self.buffer, full=self.full_since is not None)  # `ready` just set it
-        return sum(seg.length for seg in credited) * self.cfg.model.action_chunk
+        return sum(seg.length for seg in credited) * self.cfg.model.steps_per_decision
 
     def receive(self, timeout_ms: int) -> None:
         msg = self.pull.recv(timeout_ms)
@@ -299,12 +299,12 @@ class Collector:
         for seg in batch.consumed:
             self.buffered_steps -= seg.steps
             self.consumed_steps += seg.steps
-            self.consumed_slots += seg.length * self.cfg.model.action_chunk
+            self.consumed_slots += seg.length * self.cfg.model.steps_per_decision
             stale = self.schedule.stale(version, seg.version)
             self.ledger.add(seg, version, used=not stale, dropped=stale, t_consumed=now)
             if stale:
                 self.dropped += 1
-                self.dropped_slots += seg.length * self.cfg.model.action_chunk
+                self.dropped_slots += seg.length * self.cfg.model.steps_per_decision
                 self.counters.add("dropped_segments")
                 self.counters.add("dropped_steps", seg.steps)
         self.buffer = deque(batch.rest)
