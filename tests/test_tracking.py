@@ -25,6 +25,7 @@ from PIL import Image
 
 from vlaslurm.cli import main
 from vlaslurm.rundir import read_ledger
+from vlaslurm.rundir.layout import TRACKER_STATE
 from vlaslurm.runtime.failures import FRAME_MS
 from vlaslurm.runtime.local import run_local
 from vlaslurm.spec import load_spec
@@ -181,6 +182,23 @@ def test_follower_resumes_after_what_was_sent_even_when_a_resume_cut_the_file(tm
     with (tmp_path / "metrics.jsonl").open("a") as handle:
         handle.write(rows[3])  # version 4, redone after the resume
     assert [r.step for r in follower.poll()] == [256]
+
+
+def test_a_restarted_tracker_does_not_send_an_evaluation_twice(tmp_path):
+    """The tracker's state keeps the last evals-log line it sent, as for metrics lines: a restarted follower (a
+    resumed trainer) sends only evaluations after it."""
+    from vlaslurm.rundir import RunDir
+
+    layout = RunDir(tmp_path)
+    lines = [json.dumps({"version": v, "env_steps": 64 * v, "success_rate": 0.5}) + "\n" for v in (3, 6, 9)]
+    layout.evals_log.write_text("".join(lines[:2]))
+    first = RunFollower(tmp_path).eval_rows()
+    assert [(r.step, r.eval_line) for r in first] == [(192, 1), (384, 2)]
+    layout.tracking.mkdir(parents=True, exist_ok=True)  # what the first tracker saved after sending them
+    (layout.tracking / TRACKER_STATE).write_text(json.dumps({"sent_line": 0, "sent_eval_line": 2}))
+    layout.evals_log.write_text("".join(lines))
+    again = Tracker(tmp_path, "sqlite:///unused.db", "x")
+    assert again.follower is not None and [r.step for r in again.follower.eval_rows()] == [576]
 
 
 def test_follower_sends_evaluations_while_training_and_their_gifs(tmp_path):

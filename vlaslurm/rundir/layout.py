@@ -64,7 +64,7 @@ CKPT_LEDGER = LEDGER
 CHECKPOINT_NAME = re.compile(r"v(\d{8,})")  # checkpoints/v<version, 8+ digits>; use fullmatch
 CHECKPOINT_FALLBACKS = "fallbacks.jsonl"  # checkpoints/fallbacks.jsonl: resumes that skipped a checkpoint
 # inside tracking/
-TRACKER_STATE = "state.json"
+TRACKER_STATE = "state.json"  # the last metrics line and evals-log line sent, so a restarted tracker skips them
 TRACKER_FAILED = "failed_trajectories.json"
 
 ROLE_FILE_DIRS = (EVENTS, COUNTERS, HEARTBEATS)

@@ -22,6 +22,7 @@ class Row:
     step: int
     timestamp_ms: int
     line: Optional[int] = None  # its line in the metrics file, when it came from there
+    eval_line: Optional[int] = None  # its line in the evals log, when it came from there
 
 
 class RowBuffer:

@@ -37,7 +37,7 @@ def numeric(values: Mapping[str, object], prefix: str = "") -> Dict[str, float]:
 class RunFollower:
     """Reads new metric lines and changed counter files of one run directory."""
 
-    def __init__(self, run_dir: Path, start_line: int = 0) -> None:
+    def __init__(self, run_dir: Path, start_line: int = 0, start_eval_line: int = 0) -> None:
         self.run_dir = Path(run_dir)
         self.line = 0  # lines of the metrics file read so far
         # Lines an earlier tracker of this run sent. A trainer resumed from a checkpoint cuts the file
@@ -48,6 +48,8 @@ class RunFollower:
         self._counter_mtimes: Dict[Path, float] = {}
         self._failures_seen: Set[Path] = set()
         self._evals_offset = 0
+        self.eval_line = 0  # lines of the evals log read so far; the first `eval_skip` an earlier tracker sent
+        self.eval_skip = start_eval_line
 
     def poll(self) -> List[Row]:
         """Rows for everything new since the last poll."""
@@ -58,12 +60,14 @@ class RunFollower:
         lines, self._evals_offset, mtime = _new_lines(RunDir(self.run_dir).evals_log, self._evals_offset)
         rows = []
         for raw in lines:
+            self.eval_line += 1
             try:
                 values = json.loads(raw)
             except json.JSONDecodeError:
                 continue
-            if isinstance(values, dict):
-                rows.append(Row(numeric(values, EVAL_PREFIX), int(values.get("env_steps", 0)), int(mtime * 1000)))
+            if isinstance(values, dict) and self.eval_line > self.eval_skip:
+                when, step = int(mtime * 1000), int(values.get("env_steps", 0))
+                rows.append(Row(numeric(values, EVAL_PREFIX), step, when, eval_line=self.eval_line))
         return rows
 
     def metrics_rows(self) -> List[Row]:

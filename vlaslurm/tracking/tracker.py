@@ -124,7 +124,9 @@ class Tracker:
         self.poll_s, self.request_timeout_s, self.max_backoff_s = poll_s, request_timeout_s, max_backoff_s
         self.close_timeout_s = close_timeout_s if close_timeout_s is not None else float(os.environ.get(CLOSE_ENV, 10))
         self.buffer = RowBuffer(capacity)
-        self.follower: Optional[RunFollower] = RunFollower(self.run_dir, self._sent_line()) if follow else None
+        self._state = self._sent_state()
+        sent, sent_evals = self._state.get("sent_line", 0), self._state.get("sent_eval_line", 0)
+        self.follower: Optional[RunFollower] = RunFollower(self.run_dir, sent, sent_evals) if follow else None
         self.run_id = read_run_id(self.run_dir)
         self.sent_rows = 0
         self.failures = 0
@@ -297,9 +299,13 @@ class Tracker:
         client.log_batch(self.run_id, metrics=metrics)
         self.buffer.pop(rows)
         self.sent_rows += len(rows)
-        lines = [row.line for row in rows if row.line is not None]
-        if lines:
-            self._save_state({"sent_line": max(lines)})
+        sent = {
+            "sent_line": [row.line for row in rows if row.line is not None],
+            "sent_eval_line": [row.eval_line for row in rows if row.eval_line is not None],
+        }
+        if any(sent.values()):
+            self._state.update({key: max(lines) for key, lines in sent.items() if lines})
+            self._save_state(self._state)
 
     def _ensure_run(self):
         if self._client is None:
@@ -396,12 +402,14 @@ class Tracker:
         total = spec_params(self.run_dir).get("rollout.total_env_steps")
         return "FINISHED" if total is None or step >= int(total) else "KILLED"
 
-    def _sent_line(self) -> int:
+    def _sent_state(self) -> Dict[str, int]:
+        """The last metrics line and evals-log line an earlier tracker of this run sent (0 when none)."""
         path = RunDir(self.run_dir).tracking / layout.TRACKER_STATE
         try:
-            return int(json.loads(path.read_text())["sent_line"])
-        except (OSError, ValueError, KeyError):
-            return 0
+            saved = json.loads(path.read_text())
+            return {key: int(saved.get(key, 0)) for key in ("sent_line", "sent_eval_line")}
+        except (OSError, ValueError, AttributeError):
+            return {}
 
     def _save_state(self, state: Dict[str, int]) -> None:
         _write(RunDir(self.run_dir).tracking / layout.TRACKER_STATE, json.dumps(state))
