@@ -120,8 +120,8 @@ def _rank(rank: int, tmp: str) -> None:
             _run_tiny(rank, groups[3], tmp)
         if rank < 2:
             _run_bf16(rank, groups[2], tmp)
-            _run_lora(rank, groups[2], tmp)
-            _run_pi0(rank, groups[2], tmp)
+            _run_sharded(rank, groups[2], tmp, release_policy(f"{tmp}/release", lora=LORA), "release", "lora")
+            _run_sharded(rank, groups[2], tmp, pi0_policy(), "pi0", "pi0")
         dist.barrier()  # the other ranks wait for the bf16 cases before the group goes
     finally:
         dist.destroy_process_group()
@@ -180,24 +180,31 @@ def _run_bf16(rank: int, group: dist.ProcessGroup, tmp: str) -> None:
 LORA = LoraSpec(rank=4)
 
 
-def _run_lora(rank: int, group: dist.ProcessGroup, tmp: str) -> None:
-    """LoRA over the tiny release on 2 ranks: the frozen base sharded with the adapters (FSDP2 reduces gradients only
-    for the parameters that have them)."""
-    policy = shard_policy(release_policy(f"{tmp}/release", lora=LORA), group)
-    learner = make_learner(_algo("ppo", "action"), policy, ShardedDataParallel(group, rank, 2), 7, TrainerSpec())
-    learner.update(torch.load(f"{tmp}/batch-release.pt", weights_only=False), version=5)
-    full = full_state_dict(policy)
+def _run_sharded(rank: int, group: dist.ProcessGroup, tmp: str, policy, batch: str, name: str) -> None:
+    """One PPO update of `policy` sharded over the 2-rank `group` on batch-<batch>.pt; rank 0 saves params-<name>.pt."""
+    sharded = shard_policy(policy, group)
+    learner = make_learner(_algo("ppo", "action"), sharded, ShardedDataParallel(group, rank, 2), 7, TrainerSpec())
+    learner.update(torch.load(f"{tmp}/batch-{batch}.pt", weights_only=False), version=5)
+    full = full_state_dict(sharded)
     if rank == 0:
-        torch.save(full, Path(tmp) / "params-lora.pt")
+        torch.save(full, Path(tmp) / f"params-{name}.pt")
+
+
+def _replicated_update(policy, batch: Path) -> tuple:
+    """(the parameters after one PPO update of `policy` on one replicated rank, the names it moved)."""
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    learner = make_learner(_algo("ppo", "action"), policy, DataParallel(None, 0, 1), 7)
+    learner.update(torch.load(batch, weights_only=False), version=5)
+    after = policy.state_dict()
+    return after, {n for n, v in after.items() if not torch.equal(v, before[n])}
 
 
 def test_a_lora_policy_under_fsdp_updates_as_one_replicated_rank(spawned: Path) -> None:
-    policy = release_policy(str(spawned / "release"), lora=LORA)
-    before = {k: v.clone() for k, v in policy.state_dict().items()}
-    batch = torch.load(spawned / "batch-release.pt", weights_only=False)
-    make_learner(_algo("ppo", "action"), policy, DataParallel(None, 0, 1), 7).update(batch, version=5)
-    reference = policy.state_dict()
-    moved = {n for n, v in reference.items() if not torch.equal(v, before[n])}
+    """LoRA over the tiny release on 2 ranks: the frozen base sharded with the adapters (FSDP2 reduces gradients only
+    for the parameters that have them)."""
+    reference, moved = _replicated_update(
+        release_policy(str(spawned / "release"), lora=LORA), spawned / "batch-release.pt"
+    )
     assert any(".lora_" in n for n in moved) and not any(n.startswith("vla.") and ".lora_" not in n for n in moved)
     assert_same_update(torch.load(spawned / "params-lora.pt"), reference, "lora")
 
@@ -211,23 +218,9 @@ def pi0_policy():
         return tiny_pi0(CHUNK, 2, 2, FlowSettings(denoise_steps=3, noise_method="flow_noise"), "expert", 0)
 
 
-def _run_pi0(rank: int, group: dist.ProcessGroup, tmp: str) -> None:
-    """π0 on 2 ranks: its SigLIP layers are units, its Gemma layers (prefix and expert) stay in the root unit."""
-    policy = shard_policy(pi0_policy(), group)
-    learner = make_learner(_algo("ppo", "action"), policy, ShardedDataParallel(group, rank, 2), 7, TrainerSpec())
-    learner.update(torch.load(f"{tmp}/batch-pi0.pt", weights_only=False), version=5)
-    full = full_state_dict(policy)
-    if rank == 0:
-        torch.save(full, Path(tmp) / "params-pi0.pt")
-
-
 def test_a_pi0_policy_under_fsdp_updates_as_one_replicated_rank(spawned: Path) -> None:
-    policy = pi0_policy()
-    before = {k: v.clone() for k, v in policy.state_dict().items()}
-    batch = torch.load(spawned / "batch-pi0.pt", weights_only=False)
-    make_learner(_algo("ppo", "action"), policy, DataParallel(None, 0, 1), 7).update(batch, version=5)
-    reference = policy.state_dict()
-    moved = {n for n, v in reference.items() if not torch.equal(v, before[n])}
+    """π0 on 2 ranks: its SigLIP layers are units, its Gemma layers (prefix and expert) stay in the root unit."""
+    reference, moved = _replicated_update(pi0_policy(), spawned / "batch-pi0.pt")
     assert any(".dit." in n for n in moved) and any(".language_model." in n for n in moved)  # expert and prefix
     assert any("vision_tower" in n for n in moved) and "noise_head.weight" in moved
     assert_same_update(torch.load(spawned / "params-pi0.pt"), reference, "pi0")
