@@ -14,7 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = REPO / "benchmarks" / "gpu" / "run.sh"
-STEPS = ("environment", "weight_sync", "offload", "models", "trainer", "maniskill")
+STEPS = ("environment", "weight_sync", "offload", "models", "trainer", "maniskill", "pi0")
 
 
 @pytest.mark.slow
@@ -70,6 +70,10 @@ def test_dry_run_writes_every_step(tmp_path: Path) -> None:
     assert trainer["group"]["world_size"] == 1
 
     assert steps["maniskill"]["status"] == "ok" or "mani_skill is not importable" in steps["maniskill"]["reason"]
+
+    pi0 = steps["pi0"]  # the tiny π0 here; the full-size one (3,501,372,176 parameters) on the GPU
+    assert [(r["batch"], r["status"]) for r in pi0["rows"]] == [(1, "ok"), (8, "ok"), (32, "ok")], pi0
+    assert all(r["chunk_ms"] > 0 for r in pi0["rows"]) and pi0["denoise_steps"] == 10
 
     md = (tmp_path / "gpu.md").read_text()
     assert md.startswith("# GPU verification (DRY RUN")

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional
 import common
 
 BASE_KEYS = {"status", "dry_run", "budget_s", "elapsed_s", "imported", "error", "traceback", "reason"}
-STEPS = ("environment", "weight_sync", "offload", "models", "trainer", "maniskill")
+STEPS = ("environment", "weight_sync", "offload", "models", "trainer", "maniskill", "pi0")
 
 
 def init(out: Path, commit: str, dry_run: bool) -> None:
@@ -220,6 +220,21 @@ def maniskill(d: Dict[str, Any]) -> List[str]:
     )
 
 
+def pi0(d: Dict[str, Any]) -> List[str]:
+    if d.get("status") == "skipped":
+        return [f"Skipped: {d.get('reason')}", ""]
+    rows = [
+        [r.get("batch"), f(r.get("chunk_ms"), ".1f"), f(r.get("chunks_per_s"), ".1f"), f(r.get("peak_gib"))]
+        + [r.get("status")]
+        for r in d.get("rows", [])
+    ]
+    head = (
+        f"π0 ({d.get('parameters', 0):,} parameters, bf16, transformers {d.get('transformers')}), one chunk of `act` "
+        f"with {d.get('denoise_steps')} denoising steps (built in {f(d.get('build_s'), '.1f')} s):"
+    )
+    return [head, ""] + table(["batch", "chunk ms", "chunks/s", "peak GiB", "status"], rows)
+
+
 RENDER: Dict[str, Callable[[Dict[str, Any]], List[str]]] = {
     "environment": environment,
     "weight_sync": weight_sync,
@@ -227,6 +242,7 @@ RENDER: Dict[str, Callable[[Dict[str, Any]], List[str]]] = {
     "models": models,
     "trainer": trainer,
     "maniskill": maniskill,
+    "pi0": pi0,
 }
 
 

@@ -7,7 +7,7 @@
   `torch.allclose(ours, timm's, rtol=RTOL, atol=ATOL)`. Skipped, with the reason, where timm is not importable.
 - `forward`: benchmarks/gpu_vla_forward.py's own code (full-size OpenVLA and OpenVLA-OFT, bf16, batches 1, 8, 32,
   64, within what is left of this step's budget); it also writes gpu_vla_forward.{json,md} beside gpu.json.
-  π0 is not measured: vlaslurm has no π0 model.
+  π0 is measured by its own step (s7_pi0.py).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def forward(step: common.Step, device: Any) -> None:
             attn_implementation=meta["attn_implementation"],
             rows=rows,
             stopped_early=results["stopped_early"],
-            pi0="not measured: vlaslurm has no π0 model",
+            pi0="measured by the pi0 step",
         )
 
 
