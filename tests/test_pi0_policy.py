@@ -179,3 +179,26 @@ def test_train_expert_only_freezes_paligemma_and_publishes_the_rest() -> None:
     assert any(k.startswith("pi0.model.dit.") for k in moved) and "value_head.weight" in moved
     published = trained_state(pol)
     assert published and not any(k.startswith("pi0.model.vlm.") for k in published) and moved <= set(published)
+
+
+def test_lora_adapts_paligemma_trains_the_expert_and_saves_merged(tmp_path) -> None:
+    """model.lora: adapters on PaliGemma's language model, its base frozen, the expert trained in full; what trains
+    leaves the frozen base out; a saved policy is a plain PI0 folder (adapters merged) acting the same."""
+    from vlaslurm.models.pi0.build import load_pi0
+    from vlaslurm.models.prismatic.lora import LoraSettings
+
+    settings = FlowSettings(denoise_steps=3, noise_method="flow_sde", sde_steps=1)
+    pol = tiny_pi0(CHUNK, ACTION_DIM, STATE_DIM, settings, seed=3)
+    pol.add_lora(LoraSettings(rank=4, alpha=8.0, scope=("language_model",)))
+    before = {k: v.clone() for k, v in pol.state_dict().items()}
+    batch = collate(rollout_segments(pol, num_envs=4, chunks=3))
+    make_learner(algo_config("ppo", "action"), pol, DataParallel(None, 0, 1), 7).update(batch, version=1)
+    moved = {k for k, v in pol.state_dict().items() if not torch.equal(v, before[k])}
+    vlm = {k for k in moved if k.startswith("pi0.model.vlm.")}
+    assert vlm and all(".lora_" in k for k in vlm) and any(k.startswith("pi0.model.dit.") for k in moved)
+    published = trained_state(pol)
+    assert moved <= set(published) and not any(k.startswith("pi0.model.vlm.") and ".lora_" not in k for k in published)
+    inp = observations()
+    mean = pol.act(inp, deterministic=True).actions
+    loaded = load_pi0(pol.save_pretrained(tmp_path / "lora"))
+    assert not loaded.lora and torch.allclose(loaded.act(inp, deterministic=True).actions, mean, atol=1e-5, rtol=0)

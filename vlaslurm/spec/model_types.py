@@ -157,6 +157,11 @@ class PI0PolicyConfig(ModelConfig):
         "spatial-softmax stem conditioned on the instruction gives the image tokens instead (tiny policies: ViT "
         "patches of a random tower did not learn the toy task); a folder must have been saved with the same.",
     )
+    lora: Optional[LoraSpec] = doc(
+        None,
+        "LoRA adapters on the linear layers of PaliGemma's language model (the rest of PaliGemma frozen; the action "
+        "expert, the stem and the heads train in full), as RLinf's is_lora; null trains in full.",
+    )
     train_expert_only: bool = doc(
         False,
         "Freeze PaliGemma (vision tower, projector, language model): only the action expert, its projections, the "

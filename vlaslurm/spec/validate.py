@@ -5,7 +5,7 @@ A field's own choices are its `Literal` type, checked while typing (`loader.py`)
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Iterable, cast
+from typing import TYPE_CHECKING, Iterable, Union, cast
 
 from vlaslurm.spec.errors import close_names
 from vlaslurm.spec.model_types import PI0PolicyConfig, VLAConfig, flow_problem
@@ -227,6 +227,13 @@ def _check_pi0(loaded: LoadedSpec) -> None:
     problem = flow_problem(model)
     if problem is not None:
         raise loaded.error(f"model.{problem[0]}", problem[1])
+    if model.lora is not None:
+        _check_lora(loaded, model)
+        if model.train_expert_only:
+            raise loaded.error(
+                "model.lora",
+                "adapts PaliGemma's language model, which model.train_expert_only freezes: set one of the two",
+            )
     if loaded.spec.algo.logprob_level == "token":
         raise loaded.error(
             "algo.logprob_level",
@@ -235,7 +242,7 @@ def _check_pi0(loaded: LoadedSpec) -> None:
         )
 
 
-def _check_lora(loaded: LoadedSpec, model: VLAConfig) -> None:
+def _check_lora(loaded: LoadedSpec, model: Union[VLAConfig, PI0PolicyConfig]) -> None:
     # The same rules as vlaslurm.models.prismatic.lora.LoraSettings, checked here so plan reports them with a line.
     lora = model.lora
     assert lora is not None

@@ -112,6 +112,7 @@ class PI0Policy(nn.Module):
         elif vision != "siglip":
             raise ValueError(f"model.vision must be siglip or stem, got {vision!r}")
         self.train_expert_only = False  # `freeze_vlm`
+        self.lora = False  # `add_lora`
         self.cache_kw = _cache_keyword()
         self.source: Optional[Path] = None  # the folder it was loaded from (save_pretrained copies its tokenizer)
 
@@ -269,11 +270,30 @@ class PI0Policy(nn.Module):
         self.pi0.model.vlm.requires_grad_(False)
         self.train_expert_only = True
 
+    def add_lora(self, settings: Any) -> None:
+        """`model.lora`: peft adapters on the linear layers of PaliGemma's language model (`LoraSettings` scoped to
+        it); the rest of PaliGemma freezes, the expert, the stem and the heads go on training in full."""
+        from vlaslurm.models.prismatic.lora import apply_lora
+
+        apply_lora(self.pi0.model.vlm, settings)  # freezes the VLM but its adapters
+        self.lora = True
+
     def trained_state_dict(self) -> Dict[str, torch.Tensor]:
         """What training changes (`models.trained_state`): everything, or with `train_expert_only` everything but
-        PaliGemma, which then comes from `model.path` wherever the policy is built."""
+        PaliGemma, with LoRA everything but PaliGemma's frozen base; the rest comes from `model.path`."""
         state = self.state_dict()
-        return {k: t for k, t in state.items() if not (self.train_expert_only and k.startswith(FROZEN_PREFIX))}
+        frozen = self.train_expert_only or self.lora
+        return {k: t for k, t in state.items() if not (frozen and k.startswith(FROZEN_PREFIX) and ".lora_" not in k)}
+
+    def pi0_state_dict(self) -> Dict[str, torch.Tensor]:
+        """PI0's own state dict under transformers' names, LoRA adapters merged into their weights (W + scale B A)."""
+        if not self.lora:
+            return self.pi0.state_dict()
+        from vlaslurm.models.prismatic.lora import merged_tensors
+
+        vlm = FROZEN_PREFIX.removeprefix("pi0.")
+        kept = {k: t for k, t in self.pi0.state_dict().items() if not k.startswith(vlm)}
+        return {**kept, **{vlm + name: t for name, t in merged_tensors(self.pi0.model.vlm)}}
 
     def heads_state_dict(self) -> Dict[str, torch.Tensor]:
         return {k: t for k, t in self.state_dict().items() if not k.startswith("pi0.")}
@@ -286,7 +306,7 @@ class PI0Policy(nn.Module):
 
         out = Path(folder)
         out.mkdir(parents=True, exist_ok=True)
-        self.pi0.save_pretrained(out)
+        self.pi0.save_pretrained(out, state_dict=self.pi0_state_dict())  # a plain PI0 folder, adapters merged
         save_file({k: t.detach().cpu().contiguous() for k, t in self.heads_state_dict().items()}, str(out / HEADS_FILE))
         meta: Dict[str, Any] = {
             "action_dim": self.action_dim,
