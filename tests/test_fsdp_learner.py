@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from learner_helpers import CHUNK, algo_config, assert_same_update, rollout_segments, tiny_policy
 from tiny_checkpoints import write_tiny_release
+from torch.distributed.fsdp import FSDPModule
 
 from vlaslurm.algos.batch import collate
 from vlaslurm.algos.learners import DataParallel, GRPOLearner, PPOLearner, make_learner
@@ -188,6 +189,8 @@ def _run_sharded(rank: int, group: dist.ProcessGroup, tmp: str, policy, batch: s
     full = full_state_dict(sharded)
     if rank == 0:
         torch.save(full, Path(tmp) / f"params-{name}.pt")
+        units = [n for n, m in sharded.named_modules() if isinstance(m, FSDPModule) and m is not sharded]
+        torch.save(units, Path(tmp) / f"units-{name}.pt")
 
 
 def _replicated_update(policy, batch: Path) -> tuple:
@@ -219,7 +222,11 @@ def pi0_policy():
 
 
 def test_a_pi0_policy_under_fsdp_updates_as_one_replicated_rank(spawned: Path) -> None:
-    """π0 on 2 ranks: its SigLIP layers are units, its Gemma layers (prefix and expert) stay in the root unit."""
+    """π0 on 2 ranks: its SigLIP layers and its prefix's Gemma layers are units (the latter gathered from forward to
+    backward), its action expert's layers stay in the root unit."""
+    units = torch.load(spawned / "units-pi0.pt")
+    assert any("vision_tower" in u for u in units) and any(".language_model.layers." in u for u in units)
+    assert not any(".dit." in u for u in units)
     reference, moved = _replicated_update(pi0_policy(), spawned / "batch-pi0.pt")
     assert any(".dit." in n for n in moved) and any(".language_model." in n for n in moved)  # expert and prefix
     assert any("vision_tower" in n for n in moved) and "noise_head.weight" in moved

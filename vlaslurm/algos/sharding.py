@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING, Dict, List, Literal, Optional
+from typing import TYPE_CHECKING, Dict, List, Literal, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,12 +27,14 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 # Class names of the blocks that become their own FSDP unit: transformers' Llama layer, the towers' ViT block, the
-# look-alike policies' Llama layers (the same class), and π0's SigLIP layers. π0's Gemma layers stay in the root unit
-# (gathered for the whole forward, reduced once): FSDP2 gathers a unit's parameters for each call and reduces its
-# gradients once the gradients of that call's inputs are done, but π0's action expert runs once per denoising step
-# in one act or evaluate, and its language model's layers hand their keys and values to the expert through the KV
-# cache, outside their outputs: as units, either would have parameters freed while a later gradient needs them.
-BLOCK_CLASSES = ("LlamaDecoderLayer", "Block", "SiglipEncoderLayer")
+# look-alike policies' Llama layers (the same class), and π0's Gemma and SigLIP layers. A policy may name module
+# paths whose blocks need otherwise (`sharded_blocks`): `FSDP_IN_ROOT`, blocks called several times in one forward
+# (π0's action expert, once per denoising step), stay in the root unit: FSDP2 gathers a unit for each call and
+# frees it after that call's backward, while the earlier calls' backward still needs it; `FSDP_GATHERED`, blocks
+# whose outputs also leave by a side channel (π0's prefix layers: their keys and values, through the KV cache),
+# stay gathered from forward to backward: the side channel's gradient reaches them before the one that would
+# gather them again.
+BLOCK_CLASSES = ("LlamaDecoderLayer", "Block", "GemmaDecoderLayer", "SiglipEncoderLayer")
 # The policy methods the runtime calls in place of forward(): FSDP must gather the root's parameters for them.
 POLICY_METHODS = ("act", "evaluate")
 # With bf16, the parts that compute in float32 by design become float32 units, which cast their inputs to float32:
@@ -76,10 +78,11 @@ def shard_policy(
         policy.to(torch.float32)  # the master shards are float32, also those of a release loaded in bf16
     shard = functools.partial(fully_shard, mesh=mesh, reshard_after_forward=reshard_after_forward)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
-    for block in [m for m in policy.modules() if m is not policy and type(m).__name__ in BLOCK_CLASSES]:
+    for block, gathered in sharded_blocks(policy):
         if activation_checkpointing:
             checkpoint_block(block)
-        shard(block, mp_policy=_precision(mixed_precision), offload_policy=offload)
+        reshard = reshard_after_forward and not gathered
+        shard(block, mp_policy=_precision(mixed_precision), offload_policy=offload, reshard_after_forward=reshard)
     if mixed_precision == "bf16":
         for island in float32_islands(policy):
             shard(island, mp_policy=MixedPrecisionPolicy(torch.float32, torch.float32), offload_policy=offload)
@@ -94,6 +97,18 @@ def shard_policy(
             module.set_gradient_divide_factor(1.0)  # sum: the losses are already shares of the minibatch mean
             module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
     return policy
+
+
+def sharded_blocks(policy: nn.Module) -> List[Tuple[nn.Module, bool]]:
+    """(block, kept gathered from forward to backward) of every block (`BLOCK_CLASSES`) that becomes its own unit:
+    all but those under the policy's `FSDP_IN_ROOT` paths; those under its `FSDP_GATHERED` paths stay gathered."""
+    in_root = tuple(f"{path}." for path in getattr(policy, "FSDP_IN_ROOT", ()))
+    gathered = tuple(f"{path}." for path in getattr(policy, "FSDP_GATHERED", ()))
+    return [
+        (m, name.startswith(gathered))
+        for name, m in policy.named_modules()
+        if m is not policy and type(m).__name__ in BLOCK_CLASSES and not name.startswith(in_root)
+    ]
 
 
 def float32_islands(policy: nn.Module) -> List[nn.Module]:
