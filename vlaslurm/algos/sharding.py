@@ -27,13 +27,11 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 # Class names of the blocks that become their own FSDP unit: transformers' Llama layer, the towers' ViT block, the
-# look-alike policies' Llama layers (the same class), and π0's Gemma and SigLIP layers. A policy may name module
-# paths whose blocks need otherwise (`sharded_blocks`): `FSDP_IN_ROOT`, blocks called several times in one forward
-# (π0's action expert, once per denoising step), stay in the root unit: FSDP2 gathers a unit for each call and
-# frees it after that call's backward, while the earlier calls' backward still needs it; `FSDP_GATHERED`, blocks
-# whose outputs also leave by a side channel (π0's prefix layers: their keys and values, through the KV cache),
-# stay gathered from forward to backward: the side channel's gradient reaches them before the one that would
-# gather them again.
+# look-alike policies' Llama layers (the same class), and π0's Gemma and SigLIP layers. Blocks under the module paths
+# a policy lists in `FSDP_GATHERED` stay gathered from forward to backward (`sharded_blocks`): FSDP2 otherwise frees
+# a unit after each call and gathers it again when a gradient reaches the call's output, which is too late for a
+# block called several times in one forward (π0's action expert, once per denoising step) or one whose outputs also
+# leave by a side channel (π0's prefix layers: their keys and values, through the KV cache).
 BLOCK_CLASSES = ("LlamaDecoderLayer", "Block", "GemmaDecoderLayer", "SiglipEncoderLayer")
 # The policy methods the runtime calls in place of forward(): FSDP must gather the root's parameters for them.
 POLICY_METHODS = ("act", "evaluate")
@@ -100,14 +98,13 @@ def shard_policy(
 
 
 def sharded_blocks(policy: nn.Module) -> List[Tuple[nn.Module, bool]]:
-    """(block, kept gathered from forward to backward) of every block (`BLOCK_CLASSES`) that becomes its own unit:
-    all but those under the policy's `FSDP_IN_ROOT` paths; those under its `FSDP_GATHERED` paths stay gathered."""
-    in_root = tuple(f"{path}." for path in getattr(policy, "FSDP_IN_ROOT", ()))
+    """(block, kept gathered from forward to backward) of every block (`BLOCK_CLASSES`) of `policy`; those under its
+    `FSDP_GATHERED` paths stay gathered."""
     gathered = tuple(f"{path}." for path in getattr(policy, "FSDP_GATHERED", ()))
     return [
         (m, name.startswith(gathered))
         for name, m in policy.named_modules()
-        if m is not policy and type(m).__name__ in BLOCK_CLASSES and not name.startswith(in_root)
+        if m is not policy and type(m).__name__ in BLOCK_CLASSES
     ]
 
 

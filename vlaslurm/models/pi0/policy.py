@@ -72,11 +72,10 @@ class PI0Policy(nn.Module):
     """A PI0ForConditionalGeneration with the πRL samplers, a value head and (Flow-Noise) a noise head."""
 
     pi0: Any  # the PI0ForConditionalGeneration (Any: its submodules are reached by name, as transformers names them)
-    # Under FSDP (algos/sharding.py): the action expert runs once per denoising step in one act or evaluate, so its
-    # layers stay in the root unit; the prefix's layers hand keys and values to it through the KV cache, so they
-    # stay gathered from forward to backward.
-    FSDP_IN_ROOT = ("pi0.model.dit",)
-    FSDP_GATHERED = ("pi0.model.vlm.language_model",)
+    # Under FSDP (algos/sharding.py) the Gemma layers stay gathered from forward to backward: the action expert runs
+    # once per denoising step in one act or evaluate, and the prefix's layers hand their keys and values to it
+    # through the KV cache.
+    FSDP_GATHERED = ("pi0.model.dit", "pi0.model.vlm.language_model")
 
     def __init__(
         self,
