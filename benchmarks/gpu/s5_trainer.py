@@ -41,13 +41,14 @@ def update_figures(step: common.Step, device: Any, checkpointing: bool) -> Dict[
     vla = shard_policy(vla, dist.group.WORLD, mixed_precision="bf16" if device.type == "cuda" else "fp32")
     opt = torch.optim.AdamW(vla.parameters(), lr=1e-5)
     dp = ShardedDataParallel(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
-    rows = dp.shard(torch.arange(batch_size))
-    micro = dp.micro_batches(batch_size, None)
+    owner = dp.owners(torch.ones(batch_size, dtype=torch.long))  # this rank's rows, as the learners own them
+    parts = dp.micro_batches((owner == dp.rank).nonzero()[:, 0], dp.shares(owner), None)
+    micro = len(parts)
     build_s = time.perf_counter() - began
 
     def update() -> None:
         opt.zero_grad(set_to_none=True)
-        for part in rows.chunk(micro):
+        for part in parts:
             ids = batch["input_ids"][part]
             logits = vla(pixel_values=batch["pixel_values"][part], input_ids=ids)
             loss = F.cross_entropy(logits[:, patches:-1].flatten(0, 1).float(), ids[:, 1:].flatten())

@@ -469,10 +469,16 @@ class Stepper:
     and waits at most the running deadline for a step that never returns (`stuck`)."""
 
     def __init__(
-        self, sim: Simulator, io: SimulatorIO, workers: int, to_env: Optional[Callable[[np.ndarray], np.ndarray]] = None
+        self,
+        sim: Simulator,
+        io: SimulatorIO,
+        workers: int,
+        to_env: Optional[Callable[[np.ndarray], np.ndarray]] = None,
+        executed: Optional[int] = None,
     ) -> None:
         self.sim, self.io = sim, io
         self.to_env = to_env  # policy -> environment actions (`env_action_transform`); replies keep the policy's
+        self.executed = executed  # the first actions of each chunk that run (`model.execute_actions`)
         self.done: queue.Queue[tuple] = queue.Queue()
         self.wake = _Waker()
         # A bare wake-up socket: it has the `.socket` and `.recv` the Poller uses, not a _Socket's type.
@@ -513,7 +519,7 @@ class Stepper:
                 self.cancel,
                 mark,
                 self.to_env,
-                self.sim.cfg.steps_per_decision,
+                self.executed,
             )
         except BaseException as exc:  # noqa: BLE001 - raised in the main loop by `finished`
             result = exc
@@ -577,7 +583,8 @@ def lockstep_loop(sim: Simulator, io: SimulatorIO, cfg: SimulatorConfig) -> None
     schedule = sim.schedule
     groups = schedule.sub_groups(sim.env.num_envs)
     per_phase = schedule.phase_chunks(cfg.env.num_envs, cfg.steps_per_decision, cfg.env.episode_limit())
-    stepper = Stepper(sim, io, schedule.step_threads(sim.env.num_envs, sim.env.thread_safe), sim.to_env)
+    threads = schedule.step_threads(sim.env.num_envs, sim.env.thread_safe)
+    stepper = Stepper(sim, io, threads, sim.to_env, sim.cfg.steps_per_decision)
     try:
         wait_version(sim, io, 0)
         version = max(io.version, 0)  # a resumed trainer starts at its checkpoint's version
@@ -625,7 +632,8 @@ def run_phase(
 
 def async_loop(sim: Simulator, io: SimulatorIO) -> None:
     """Every environment on its own: request when ready, step when its actions arrive."""
-    stepper = Stepper(sim, io, sim.schedule.step_threads(sim.env.num_envs, sim.env.thread_safe), sim.to_env)
+    threads = sim.schedule.step_threads(sim.env.num_envs, sim.env.thread_safe)
+    stepper = Stepper(sim, io, threads, sim.to_env, sim.cfg.steps_per_decision)
     for i in range(sim.env.num_envs):
         io.send(sim.request([i], i, 0))
     first = sim.tracks[0]
