@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 from vlaslurm.rundir import RunDir
 from vlaslurm.tracking.buffer import Row
@@ -59,26 +59,17 @@ class RunFollower:
         """One row per finished evaluation while training, at the env steps its version was trained on."""
         lines, self._evals_offset, mtime = _new_lines(RunDir(self.run_dir).evals_log, self._evals_offset)
         rows = []
-        for raw in lines:
-            self.eval_line += 1
-            try:
-                values = json.loads(raw)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(values, dict) and self.eval_line > self.eval_skip:
+        for line, values in _numbered(lines, self.eval_line):
+            if isinstance(values, dict) and line > self.eval_skip:
                 when, step = int(mtime * 1000), int(values.get("env_steps", 0))
-                rows.append(Row(numeric(values, EVAL_PREFIX), step, when, eval_line=self.eval_line))
+                rows.append(Row(numeric(values, EVAL_PREFIX), step, when, eval_line=line))
+        self.eval_line += len(lines)
         return rows
 
     def metrics_rows(self) -> List[Row]:
         lines, self._offset, mtime = _new_lines(RunDir(self.run_dir).metrics, self._offset)
-        parsed = []
-        for raw in lines:
-            self.line += 1
-            try:
-                parsed.append((self.line, json.loads(raw)))
-            except json.JSONDecodeError:
-                continue
+        parsed = _numbered(lines, self.line)
+        self.line += len(lines)
         return self._rows(parsed, mtime)
 
     def _rows(self, parsed: List[tuple], mtime: float) -> List[Row]:
@@ -119,6 +110,18 @@ class RunFollower:
             if metrics:
                 rows.append(Row(metrics, self.env_steps, int(mtime * 1000)))
         return rows
+
+
+def _numbered(lines: List[bytes], before: int) -> List[Tuple[int, Any]]:
+    """(line number, value) of each of `lines` that parses as JSON, numbered on from `before` lines (a line being
+    written, or damaged, keeps its number and is left out)."""
+    out = []
+    for number, raw in enumerate(lines, before + 1):
+        try:
+            out.append((number, json.loads(raw)))
+        except json.JSONDecodeError:
+            continue
+    return out
 
 
 def _new_lines(path: Path, offset: int) -> Tuple[List[bytes], int, float]:
