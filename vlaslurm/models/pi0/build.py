@@ -46,12 +46,10 @@ def build(cfg: PI0PolicyConfig, action_dim: int, state_dim: int, image_size: int
         policy = load_pi0(cfg.path, settings, action_dim, cfg.value_from, DTYPES[cfg.precision])
     if cfg.train_expert_only:
         policy.freeze_vlm()
-    if cfg.lora is not None:
+    if cfg.lora is not None:  # the scope, "language_model", is PaliGemma's as it is the OpenVLA types'
         from vlaslurm.models.prismatic.lora import LoraSettings
 
-        lora = cfg.lora
-        targets = lora.target_modules if isinstance(lora.target_modules, str) else tuple(lora.target_modules)
-        policy.add_lora(LoraSettings(lora.rank, lora.alpha, lora.dropout, targets, scope=("language_model",)))
+        policy.add_lora(LoraSettings.of(cfg.lora))
     if policy.vision != cfg.vision:
         raise ValueError(f"model.vision is {cfg.vision} but {cfg.path} was saved with vision: {policy.vision}")
     if policy.action_chunk != cfg.action_chunk:

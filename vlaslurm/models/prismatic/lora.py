@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from vlaslurm.spec.errors import close_names
+from vlaslurm.spec.model_types import LoraSpec
 
 PathLike = Union[str, Path]
 Model = TypeVar("Model", bound=nn.Module)  # the adapters go in place: the caller gets its own type back
@@ -102,6 +103,12 @@ class LoraSettings:
     def scale(self) -> float:
         """The factor of B@A in the merged weight: alpha / rank."""
         return self.alpha / self.rank
+
+    @classmethod
+    def of(cls, spec: LoraSpec) -> LoraSettings:
+        """The settings of a spec's `model.lora` (the language model's linear layers, upstream's init)."""
+        targets = spec.target_modules if isinstance(spec.target_modules, str) else tuple(spec.target_modules)
+        return cls(rank=spec.rank, alpha=spec.alpha, dropout=spec.dropout, target_modules=targets)
 
 
 # --- settings checks ------------------------------------------------------------------------------------------

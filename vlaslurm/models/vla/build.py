@@ -103,13 +103,7 @@ def build_released(
 def _add_adapters(vla: PrismaticVLA, cfg: VLAConfig, adapter: Optional[Path]) -> None:
     """`model.lora` adapters, then the adapter folder's weights (which must then have the same settings)."""
     if cfg.lora is not None:
-        settings = LoraSettings(
-            rank=cfg.lora.rank,
-            alpha=cfg.lora.alpha,
-            dropout=cfg.lora.dropout,
-            target_modules=cfg.lora.target_modules,  # type: ignore[arg-type]  # a list becomes a tuple
-        )
-        apply_lora(vla, settings)
+        apply_lora(vla, LoraSettings.of(cfg.lora))
     if adapter is not None:
         load_adapter(vla, adapter)
 
