@@ -584,7 +584,7 @@ def lockstep_loop(sim: Simulator, io: SimulatorIO, cfg: SimulatorConfig) -> None
     groups = schedule.sub_groups(sim.env.num_envs)
     per_phase = schedule.phase_chunks(cfg.env.num_envs, cfg.steps_per_decision, cfg.env.episode_limit())
     threads = schedule.step_threads(sim.env.num_envs, sim.env.thread_safe)
-    stepper = Stepper(sim, io, threads, sim.to_env, sim.cfg.steps_per_decision)
+    stepper = Stepper(sim, io, threads, sim.to_env, cfg.steps_per_decision)
     try:
         wait_version(sim, io, 0)
         version = max(io.version, 0)  # a resumed trainer starts at its checkpoint's version
