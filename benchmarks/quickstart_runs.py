@@ -63,8 +63,11 @@ def run(name: str, check: Check, seed: int) -> dict:
     t0 = time.monotonic()
     rc = subprocess.run(command, cwd=REPO, env={**os.environ, "VLASLURM_TRACKING": "off"}).returncode
     wall = time.monotonic() - t0
-    episodes, success = last_fifth_success(pd.read_parquet(run_dir / "ledger.parquet"))
-    final = json.loads((run_dir / "final.json").read_text()) if (run_dir / "final.json").exists() else {}
+    from vlaslurm.rundir import RunDir
+
+    layout = RunDir(run_dir)  # the run directory's own names, not spelled here
+    episodes, success = last_fifth_success(pd.read_parquet(layout.ledger))
+    final = json.loads(layout.final.read_text()) if layout.final.exists() else {}
     return {
         "check": name,
         "spec": check.spec,

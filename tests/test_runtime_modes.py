@@ -19,6 +19,7 @@ import pytest
 from runtime_helpers import RANKS_2, Run, check_trained_versions, overlaps, run_spec, synthetic_spec
 
 from vlaslurm.envs import make_env, synthetic
+from vlaslurm.rundir import RunDir
 from vlaslurm.runtime.episodes import run_chunk
 from vlaslurm.spec.env_types import StepTimeConfig, SyntheticEnvConfig
 
@@ -328,7 +329,7 @@ def test_executing_part_of_each_chunk_still_fills_each_update(tmp_path: Path, mo
     spec["model"]["execute_actions"] = 2
     run = run_spec(tmp_path, spec, name=f"executed-{mode}")
     assert run.rc == 0, run.log("trainer", 0)[-3000:]
-    rows = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in RunDir(run.run_dir).metrics.read_text().splitlines() if line.strip()]
     assert len(rows) >= 3 and all(r["env_steps"] >= 32 * (i + 1) for i, r in enumerate(rows[:3]))
     ledger = run.ledger
     decisions = ledger.step_ids.apply(len)
