@@ -143,6 +143,22 @@ def test_a_forged_ready_flag_does_not_pass_the_weight_handshake() -> None:
     assert sealed.rejected >= 1
 
 
+def test_a_stop_ends_the_wait_for_generators_that_will_never_join() -> None:
+    """A TERM to every rank at once ends the generators before they join a publication; the trainer's signal
+    handler cannot interrupt the store's wait, so the publisher looks at `stopped` between slices of it and
+    gives up within one (before: the whole 60 s deadline, past the launcher's grace, and a KILL)."""
+    sealed, _ = stores()
+    stop: List[str] = []
+    publisher = BroadcastPublisher(
+        sealed, None, 0, [1], "cpu", 60.0, names={1: "generator[0]"}, stopped=lambda: stop[0] if stop else None  # type: ignore[arg-type]
+    )
+    later(0.3, lambda: stop.append("SIGTERM"))
+    start = time.monotonic()
+    with pytest.raises(WeightSyncTimeout, match=r"generator\[0\].*did not join.*SIGTERM received"):
+        publisher.publish(1, {"w": torch.zeros(2)})
+    assert time.monotonic() - start < 20  # one slice (1 s) after the stop; the margin is a loaded machine's
+
+
 def test_a_forged_go_does_not_start_a_generators_receive() -> None:
     """The generator says ready; the foreign client, seeing that key, forges the trainer's `go`."""
     sealed, foreign = stores()

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Mapping, Protocol, Sequence, cast
+from typing import Any, Callable, Mapping, Protocol, Sequence, cast
 
 import msgpack
 import torch
@@ -33,6 +33,7 @@ log = logging.getLogger("vlaslurm.weights")
 WEIGHT_SYNCS = ("nccl", "filesystem")
 LATEST = "latest"
 DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
+_READY_SLICE_S = 1.0  # the publisher's wait for ready generators looks at `stopped` this often
 _FILE_RE = re.compile(r"v(\d{8,})\.safetensors")
 _MAGIC = 0x564C4157  # "VLAW"
 _DTYPES = {
@@ -319,6 +320,7 @@ class BroadcastPublisher:
         timeout_s: float,
         names: Mapping[int, str] | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        stopped: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.store = _prefixed(store)
         self.group = group
@@ -328,6 +330,10 @@ class BroadcastPublisher:
         self.timeout_s = timeout_s
         self.names = dict(names or {})
         self.bucket_bytes = bucket_bytes
+        # Why the publisher's process is stopping (a drain signal), or None: the handshake then gives up at once,
+        # since a TERM that ends every rank together leaves generators that never join, and the signal's
+        # handler cannot interrupt the store's wait.
+        self.stopped = stopped
         self.version = -1
 
     def publish(self, version: int, state_dict: Mapping[str, torch.Tensor], timeout_s: float | None = None) -> None:
@@ -345,13 +351,23 @@ class BroadcastPublisher:
 
     def _await_ready(self, version: int, timeout_s: float) -> None:
         """Every receiver's sealed `ready` (the world store refuses forged ones) or WeightSyncTimeout naming who
-        is missing, with the store's account of each key (missing or forged)."""
+        is missing, with the store's account of each key (missing or forged). Waits in slices of
+        `_READY_SLICE_S` so that a stop (`stopped`) ends it within one."""
         keys = [_Keys.ready(version, r) for r in self.receivers]
-        try:
-            self.store.wait(keys, timedelta(seconds=timeout_s))
-            return
-        except (RuntimeError, TimeoutError) as err:  # StoreTimeout, or DistStoreError from a plain store
-            why = str(err)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self.store.wait(keys, timedelta(seconds=max(0.001, min(left, _READY_SLICE_S))))
+                return
+            except (RuntimeError, TimeoutError) as err:  # StoreTimeout, or DistStoreError from a plain store
+                why = str(err)
+            stop = self.stopped()
+            if stop is not None:
+                why = f"{stop} received: given up"
+                break
+            if left <= _READY_SLICE_S:
+                break
         missing = [r for r, k in zip(self.receivers, keys) if not self.store.check([k])]
         if not missing:
             return
@@ -493,8 +509,10 @@ def make_publisher(
     timeout_s: float = 120.0,
     keep: int = 3,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    stopped: Callable[[], str | None] = lambda: None,
 ) -> WeightPublisher:
-    """trainer[0]'s publisher for `method` (``nccl`` needs `world`; creates the sync group)."""
+    """trainer[0]'s publisher for `method` (``nccl`` needs `world`; creates the sync group); `stopped` says
+    why the trainer is stopping, which ends a handshake waiting for generators (`BroadcastPublisher`)."""
     _check_method(method)
     if method == "filesystem":
         return FilesystemPublisher(weights_dir(run_dir), keep=keep)
@@ -505,7 +523,7 @@ def make_publisher(
         raise ValueError(f"only trainer[0] (global rank {src}) publishes weights; this is {world.describe(world.rank)}")
     group = _sync_group(world, device, timeout_s)
     names = {r: world.describe(r) for r in receivers}
-    return BroadcastPublisher(world.store, group, src, receivers, device, timeout_s, names, bucket_bytes)
+    return BroadcastPublisher(world.store, group, src, receivers, device, timeout_s, names, bucket_bytes, stopped)
 
 
 def make_subscriber(

@@ -523,6 +523,7 @@ def run(ctx: RankContext, cfg: TrainerConfig) -> int:
             world=ctx.world,
             device=ctx.device,
             timeout_s=ctx.deadlines.first_s,
+            stopped=signals.requested,
         )
     # Followers wait in this group while rank 0 waits on deadlines of its own (the offload handshake,
     # runtime.timeout_s): outlast those, so that rank 0's error naming the culprit comes first.
