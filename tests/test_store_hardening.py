@@ -150,7 +150,14 @@ def test_a_stop_ends_the_wait_for_generators_that_will_never_join() -> None:
     sealed, _ = stores()
     stop: List[str] = []
     publisher = BroadcastPublisher(
-        sealed, None, 0, [1], "cpu", 60.0, names={1: "generator[0]"}, stopped=lambda: stop[0] if stop else None  # type: ignore[arg-type]
+        sealed,
+        None,
+        0,
+        [1],
+        "cpu",
+        60.0,
+        names={1: "generator[0]"},
+        stopped=lambda: stop[0] if stop else None,  # type: ignore[arg-type]
     )
     later(0.3, lambda: stop.append("SIGTERM"))
     start = time.monotonic()
