@@ -330,7 +330,12 @@ def test_executing_part_of_each_chunk_still_fills_each_update(tmp_path: Path, mo
     run = run_spec(tmp_path, spec, name=f"executed-{mode}")
     assert run.rc == 0, run.log("trainer", 0)[-3000:]
     rows = [json.loads(line) for line in RunDir(run.run_dir).metrics.read_text().splitlines() if line.strip()]
-    assert len(rows) >= 3 and all(r["env_steps"] >= 32 * (i + 1) for i, r in enumerate(rows[:3]))
+    # Every update used at least steps_per_update executed steps (counted as slots, an update would take half).
+    # Sync's phases are exactly one update each; async's number of updates depends on the timing (a loaded
+    # machine made async's second update take 72 steps of which some were stale: 2 updates for the 96).
+    consumed = [0] + [r["consumed_steps"] for r in rows]
+    assert all(b - a >= 32 for a, b in zip(consumed, consumed[1:])) and rows[-1]["env_steps"] >= 96
+    assert len(rows) >= 3 or mode == "async"
     ledger = run.ledger
     decisions = ledger.step_ids.apply(len)
     assert (ledger.steps <= 2 * decisions).all() and (ledger.steps >= 2 * decisions - 1).all()
