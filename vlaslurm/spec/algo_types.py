@@ -21,7 +21,11 @@ class AlgoConfig:
     lr: float = doc(3.0e-4, "Learning rate.")
     steps_per_update: int = doc(256, "Env steps the trainer consumes per policy update (its batch).")
     epochs: int = doc(4, "Passes over each batch.")
-    minibatches: int = doc(4, "Minibatches per pass.")
+    minibatches: int = doc(
+        4,
+        "Minibatches per pass over steps_per_update env steps; a larger batch (async GRPO's whole groups) is split "
+        "into proportionally more, so that a sample buys as many optimizer steps as in sync mode.",
+    )
     max_grad_norm: float = doc(1.0, "Gradient clipping norm.")
     clip: List[float] = doc([0.2, 0.2], "PPO ratio clip [low, high]; asymmetric allowed, e.g. [0.2, 0.28].")
     offpolicy_correction: Literal["none", "decoupled", "tis"] = doc(
