@@ -166,6 +166,36 @@ def test_a_stop_ends_the_wait_for_generators_that_will_never_join() -> None:
     assert time.monotonic() - start < 20  # one slice (1 s) after the stop; the margin is a loaded machine's
 
 
+class _BrokenWaits(dist.Store):
+    """A store whose waits fail at once, as a TCPStore's do once its server is gone (sets and checks work)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.values: dict = {}
+        self.waits = 0
+
+    def set(self, key: str, value: Any) -> None:
+        self.values[key] = value
+
+    def check(self, keys: List[str]) -> bool:
+        return all(k in self.values for k in keys)
+
+    def wait(self, keys: List[str], timeout: Any = None) -> None:
+        self.waits += 1
+        raise RuntimeError("Failed to recv, got 0 bytes. Connection was likely closed.")
+
+
+def test_a_wait_that_fails_at_once_is_not_retried_until_the_deadline() -> None:
+    """The handshake waits in slices only to look at `stopped`; an error that is no timeout (a store that is
+    gone) ends it at once, as before the slices, instead of a busy loop for the whole deadline."""
+    store = _BrokenWaits()
+    publisher = BroadcastPublisher(store, None, 0, [1], "cpu", 60.0, names={1: "generator[0]"})  # type: ignore[arg-type]
+    start = time.monotonic()
+    with pytest.raises(WeightSyncTimeout, match=r"generator\[0\].*Connection was likely closed"):
+        publisher.publish(1, {"w": torch.zeros(2)})
+    assert store.waits == 1 and time.monotonic() - start < 10
+
+
 def test_a_forged_go_does_not_start_a_generators_receive() -> None:
     """The generator says ready; the foreign client, seeing that key, forges the trainer's `go`."""
     sealed, foreign = stores()

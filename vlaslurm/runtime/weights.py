@@ -356,9 +356,10 @@ class BroadcastPublisher:
         keys = [_Keys.ready(version, r) for r in self.receivers]
         deadline = time.monotonic() + timeout_s
         while True:
-            left = deadline - time.monotonic()
+            started, left = time.monotonic(), deadline - time.monotonic()
+            wait_s = max(0.001, min(left, _READY_SLICE_S))
             try:
-                self.store.wait(keys, timedelta(seconds=max(0.001, min(left, _READY_SLICE_S))))
+                self.store.wait(keys, timedelta(seconds=wait_s))
                 return
             except (RuntimeError, TimeoutError) as err:  # StoreTimeout, or DistStoreError from a plain store
                 why = str(err)
@@ -366,7 +367,7 @@ class BroadcastPublisher:
             if stop is not None:
                 why = f"{stop} received: given up"
                 break
-            if left <= _READY_SLICE_S:
+            if left <= _READY_SLICE_S or time.monotonic() - started < wait_s / 2:  # the end, or not a timeout
                 break
         missing = [r for r, k in zip(self.receivers, keys) if not self.store.check([k])]
         if not missing:
