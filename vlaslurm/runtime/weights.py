@@ -356,7 +356,8 @@ class BroadcastPublisher:
         keys = [_Keys.ready(version, r) for r in self.receivers]
         deadline = time.monotonic() + timeout_s
         while True:
-            started, left = time.monotonic(), deadline - time.monotonic()
+            started = time.monotonic()
+            left = deadline - started
             wait_s = max(0.001, min(left, _READY_SLICE_S))
             try:
                 self.store.wait(keys, timedelta(seconds=wait_s))
