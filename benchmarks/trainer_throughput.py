@@ -154,13 +154,16 @@ def report(rows: List[Dict[str, Any]], args: argparse.Namespace) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--ranks", type=int, nargs="+", help="rank counts (default 1 2; on cuda those <= the GPUs)")
     parser.add_argument("--strategies", nargs="+", default=["replicate", "fsdp"])
     parser.add_argument("--updates", type=int, default=3, help="timed updates (after one warm-up)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--out", type=Path, default=RESULTS / "trainer_throughput.md")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.ranks is None:  # one GPU per rank with nccl: only the counts this machine has
+        gpus = torch.cuda.device_count() if args.device == "cuda" else 2
+        args.ranks = [n for n in (1, 2) if n <= gpus]
     batch = make_batch()
     rows = [measure(s, w, args, batch) for s in args.strategies for w in args.ranks]
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -73,6 +73,44 @@ def test_eval_loads_the_checkpoint_in_model_path(tmp_path: Path) -> None:
     assert json.loads((directory / EVAL_FILE).read_text())["episodes"] == 4
 
 
+def test_eval_plays_a_saved_pi0_folder_with_its_deterministic_actions(tmp_path: Path) -> None:
+    """π0 evaluates like the other model types: `model.path` at a saved tiny π0 (transformers' PI0 layout) plays
+    the actions of the policy that was saved (its deterministic ODE sampling), not of a fresh random init."""
+    import numpy as np
+
+    from vlaslurm.models.pi0.build import tiny_pi0
+    from vlaslurm.models.pi0.flow import FlowSettings
+    from vlaslurm.rundir.layout import RunDir
+    from vlaslurm.runtime.evaluate import EvalConfig, play
+
+    settings = FlowSettings(denoise_steps=2, noise_method="flow_sde")
+    saved = tiny_pi0(2, 2, 2, settings, seed=3)
+    saved.save_pretrained(tmp_path / "pi0")
+    spec = {
+        "name": "ev",
+        "env": {"type": "toy", "num_envs": 2, "max_episode_steps": 6, "obs": {"image_size": 56, "cameras": ["top"]}},
+        "model": {"type": "pi0", "action_chunk": 2, "denoise_steps": 2, "path": str(tmp_path / "pi0")},
+        "algo": {"type": "ppo"},
+    }
+    (tmp_path / "pi0.yaml").write_text(yaml.safe_dump(spec))
+    loaded = load_spec(tmp_path / "pi0.yaml")
+    directory = evaluate(loaded, tmp_path / "runs", episodes=2, keep_failed=2)
+    assert json.loads((directory / EVAL_FILE).read_text())["episodes"] == 2
+
+    def actions(directory: Path) -> np.ndarray:
+        failed = sorted(RunDir(directory).failed.glob("*.npz"))
+        assert failed, "a random tiny policy fails the toy task within 6 steps; its trajectory is kept"
+        return np.load(failed[0])["actions"]
+
+    def played_by(policy, name: str) -> np.ndarray:
+        (tmp_path / name).mkdir()
+        play(loaded.spec, tmp_path / name, EvalConfig(2, 2), lambda env: policy, str(loaded.path))
+        return actions(tmp_path / name)
+
+    assert np.array_equal(actions(directory), played_by(saved, "in-memory"))
+    assert not np.array_equal(actions(directory), played_by(tiny_pi0(2, 2, 2, settings, seed=4), "other"))
+
+
 def test_episodes_do_not_depend_on_the_split_over_simulator_ranks(tmp_path: Path) -> None:
     """Episode e runs on environment e % n from seed (seed, e): four environments in one process give the same
     outcomes as two ranks of two (how an eval job splits them), which is what lets a job equal --local."""

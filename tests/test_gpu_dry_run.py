@@ -68,6 +68,7 @@ def test_dry_run_writes_every_step(tmp_path: Path) -> None:
     for key in ("checkpointing_off", "checkpointing_on"):
         assert trainer[key]["samples_per_s"] > 0 and trainer[key]["parameters"] > 0, trainer[key]
     assert trainer["group"]["world_size"] == 1
+    assert "needs a GPU" in trainer["cpu_offload"]["skipped"]  # FSDP2's offload has no CPU rehearsal
 
     assert steps["maniskill"]["status"] == "ok" or "mani_skill is not importable" in steps["maniskill"]["reason"]
 

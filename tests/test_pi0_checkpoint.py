@@ -68,6 +68,39 @@ def test_a_saved_tiny_pi0_loads_strictly_with_the_same_actions(saved: tuple) -> 
     assert loaded.noise_head is not None and torch.equal(loaded.noise_head.bias, policy.noise_head.bias)
 
 
+def test_a_release_style_folder_loads_with_its_tokenizer_and_the_default_sampler(saved: tuple, tmp_path: Path) -> None:
+    """A folder as a release ships it: PI0's config and weights and a tokenizer, none of vlaslurm's own files. It
+    loads strictly with the release's tokenizer, the config's denoising steps, its max_action_dim and fresh heads."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PI0ForConditionalGeneration
+
+    from vlaslurm.models.pi0.inputs import ReleaseText
+
+    policy, folder = saved
+    release = tmp_path / "release"
+    release.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (release / name).write_bytes((folder / name).read_bytes())
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "stack": 4, "the": 5, "blocks": 6}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(release / "tokenizer.json"))
+    special = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
+    (release / "tokenizer_config.json").write_text(json.dumps(config))
+
+    loaded = load_pretrained(release)
+    assert isinstance(loaded, PI0Policy) and isinstance(loaded.text, ReleaseText)
+    assert loaded.text.encode("stack the blocks") == [4, 5, 6] and loaded.text.bos_id == 2
+    pi0_config = json.loads((folder / "config.json").read_text())
+    assert loaded.settings == FlowSettings(denoise_steps=pi0_config["num_inference_steps"]) != SETTINGS
+    assert loaded.action_dim == pi0_config["max_action_dim"]
+    same = PI0ForConditionalGeneration.from_pretrained(folder, local_files_only=True).state_dict()
+    assert all(torch.equal(t, same[k]) for k, t in loaded.pi0.state_dict().items())
+    assert not torch.equal(loaded.value_head.bias, policy.value_head.bias)  # vlaslurm's heads stayed behind
+    assert torch.isfinite(loaded.act(observations()).actions).all()
+
+
 def test_a_folder_missing_a_tensor_does_not_load(saved: tuple, tmp_path: Path) -> None:
     _, folder = saved
     broken = tmp_path / "broken"

@@ -7,6 +7,7 @@ batch round-trips on their own."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -123,6 +124,9 @@ def test_a_pi0_run_trains_on_the_paths_its_generator_sampled(tmp_path: Path, mod
     rows = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     updates = [r for r in rows if "losses/approx_kl" in r]
     assert len(updates) >= 2, rows
+    losses = [{k: v for k, v in r.items() if k.startswith("losses/")} for r in updates]
+    assert all({"losses/policy_loss", "losses/value_loss"} <= loss.keys() for loss in losses), losses
+    assert all(math.isfinite(v) for loss in losses for v in loss.values()), losses  # log-probs, ratios, values
     assert run.ledger["behavior_version"].max() >= 1  # later segments acted by an updated policy
     assert trainers == 1 or "==== trainer[1]" in run.log("trainer", 1)  # the second fsdp rank took part
     if mode == "sync":  # on-policy: the stored paths' density under the weights that sampled them is the sampling one

@@ -5,7 +5,9 @@ Llama layer and ViT block, bf16 compute, float32 master weights and reduction) o
 (nccl; gloo in `--dry-run`), and its micro-batches planned by `ShardedDataParallel`. One update = forward, the
 next-token cross-entropy of the prompt, backward and an AdamW step; `samples_per_s` = batch / the median update
 time after one warm-up update, `peak_gib` over the timed updates. Checkpointing wraps every block with
-torch.distributed's composable `checkpoint` before sharding. Several GPUs (one rank each) are not run here.
+torch.distributed's composable `checkpoint` before sharding. Then, on the GPU and budget permitting, one update with
+`cpu_offload` (shards and optimizer on the host). Several GPUs (one rank each) are not run here: the same
+measurement over N ranks is `benchmarks/trainer_throughput.py --device cuda` (replicate vs fsdp, one GPU per rank).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import common
 
 TOKENS = 32  # prompt tokens (the 256 patches come on top; 16 in --dry-run)
 ITERS = 2
+OFFLOAD_NEEDS_S = 25  # the offloaded update's build, warm-up and one timed update (AdamW over 1B on the host)
 
 
-def update_figures(step: common.Step, device: Any, checkpointing: bool) -> Dict[str, Any]:
+def update_figures(step: common.Step, device: Any, checkpointing: bool, cpu_offload: bool = False) -> Dict[str, Any]:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -38,7 +41,8 @@ def update_figures(step: common.Step, device: Any, checkpointing: bool) -> Dict[
     batch_size = 2 if step.dry_run else 16
     batch = common.vla_batch(vla, batch_size, TOKENS, device)
     patches = vla.vision_backbone.num_patches
-    vla = shard_policy(vla, dist.group.WORLD, mixed_precision="bf16" if device.type == "cuda" else "fp32")
+    precision = "bf16" if device.type == "cuda" else "fp32"
+    vla = shard_policy(vla, dist.group.WORLD, mixed_precision=precision, cpu_offload=cpu_offload)
     opt = torch.optim.AdamW(vla.parameters(), lr=1e-5)
     dp = ShardedDataParallel(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
     owner = dp.owners(torch.ones(batch_size, dtype=torch.long))  # this rank's rows, as the learners own them
@@ -57,9 +61,10 @@ def update_figures(step: common.Step, device: Any, checkpointing: bool) -> Dict[
 
     update()  # warm-up: allocations, AdamW's state
     common.reset_peak(device)
-    seconds = common.timed(update, device, iters=1 if step.dry_run else ITERS, warmup=0)
+    seconds = common.timed(update, device, iters=1 if step.dry_run or cpu_offload else ITERS, warmup=0)
     return {
         "checkpointing": checkpointing,
+        "cpu_offload": cpu_offload,
         "batch": batch_size,
         "seq_len": patches + TOKENS,
         "micro_batches": micro,
@@ -87,6 +92,15 @@ def body(step: common.Step, device: Any) -> None:
                 figures.update(update_figures(step, device, checkpointing))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        # trainer.cpu_offload (FSDP2's CPUOffloadPolicy: shards and AdamW on the host) needs an accelerator, so the
+        # CPU rehearsal cannot run it; on the GPU one timed update when the budget leaves room for it.
+        with step.part("cpu_offload") as figures:
+            if device.type != "cuda":
+                figures["skipped"] = "FSDP2's CPU offload needs a GPU"
+            elif step.left_s() < OFFLOAD_NEEDS_S:
+                figures["skipped"] = f"{step.left_s():.0f} s of the budget left, < {OFFLOAD_NEEDS_S} s"
+            else:
+                figures.update(update_figures(step, device, checkpointing=False, cpu_offload=True))
     finally:
         dist.destroy_process_group()
     errors = [k for k in ("checkpointing_off", "checkpointing_on") if "error" in step.data[k]]

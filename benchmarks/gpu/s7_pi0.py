@@ -3,7 +3,8 @@ parameters, chunks of 50 x 32) as vlaslurm's policy samples it (`PI0Policy.act`:
 K = 10 denoising passes of the action expert over its KV cache with one Flow-SDE step stochastic, then the critic's
 expert pass), randomly initialised in bf16 on the GPU, at batches 1, 8 and 32 (2 cameras of 224 px and an 8-dim
 state, LIBERO's shapes). Medians of 3 timed calls after 1 warm-up; larger batches are skipped when the time left
-would not cover them. Skipped, with the reason, where the installed transformers has no PI0 (it came in 5.2x).
+would not cover them. Skipped, with the reason, where the installed transformers has no PI0 (it came in 5.4.0;
+the GPU image's 5.17 has it).
 `--dry-run`: the tiny test configuration on the CPU.
 """
 
@@ -83,7 +84,7 @@ def body(step: common.Step, device: Any) -> None:
         import transformers
         from transformers import PI0Config  # noqa: F401
     except ImportError as err:
-        raise common.Skip(f"this transformers has no PI0 ({err}); carry a wheel of >= 5.2x in .whl/") from err
+        raise common.Skip(f"this transformers has no PI0 ({err}); carry transformers >= 5.4 in .whl/") from err
     began = time.monotonic()
     policy = build(device, step.dry_run)
     step.set("transformers", transformers.__version__)
