@@ -34,7 +34,9 @@ from torch.distributed.fsdp import FSDPModule
 from vlaslurm.algos.batch import collate
 from vlaslurm.algos.learners import DataParallel, GRPOLearner, PPOLearner, make_learner
 from vlaslurm.algos.sharding import ShardedDataParallel, full_state_dict, local_numel, shard_policy
+from vlaslurm.models import publication_state
 from vlaslurm.models.vla.build import build_released
+from vlaslurm.runtime.sharded import gather_full_state
 from vlaslurm.spec.model_types import LoraSpec, OpenVLAOFTConfig
 from vlaslurm.spec.trainer_types import OptimizerConfig, TrainerSpec
 
@@ -178,7 +180,7 @@ def _run_bf16(rank: int, group: dist.ProcessGroup, tmp: str) -> None:
         torch.save(_shard_dtypes(loaded), out / "bf16-release-masters.pt")
 
 
-LORA = LoraSpec(rank=4)
+LORA = LoraSpec(rank=4, publish="merged")  # the update is the same either way; the publication is merged
 
 
 def _run_sharded(rank: int, group: dist.ProcessGroup, tmp: str, policy, batch: str, name: str) -> None:
@@ -187,6 +189,10 @@ def _run_sharded(rank: int, group: dist.ProcessGroup, tmp: str, policy, batch: s
     learner = make_learner(_algo("ppo", "action"), sharded, ShardedDataParallel(group, rank, 2), 7, TrainerSpec())
     learner.update(torch.load(f"{tmp}/batch-{batch}.pt", weights_only=False), version=5)
     full = full_state_dict(sharded)
+    if name == "lora":  # the weight publication gathered from the shards (small buckets: several per layer group)
+        published = gather_full_state(sharded, 1 << 12, keep=rank == 0, publication=True)
+        if rank == 0:
+            torch.save(published, Path(tmp) / "published-lora.pt")
     if rank == 0:
         torch.save(full, Path(tmp) / f"params-{name}.pt")
         units = [n for n, m in sharded.named_modules() if isinstance(m, FSDPModule) and m is not sharded]
@@ -205,11 +211,15 @@ def _replicated_update(policy, batch: Path) -> tuple:
 def test_a_lora_policy_under_fsdp_updates_as_one_replicated_rank(spawned: Path) -> None:
     """LoRA over the tiny release on 2 ranks: the frozen base sharded with the adapters (FSDP2 reduces gradients only
     for the parameters that have them)."""
-    reference, moved = _replicated_update(
-        release_policy(str(spawned / "release"), lora=LORA), spawned / "batch-release.pt"
-    )
+    policy = release_policy(str(spawned / "release"), lora=LORA)
+    reference, moved = _replicated_update(policy, spawned / "batch-release.pt")
     assert any(".lora_" in n for n in moved) and not any(n.startswith("vla.") and ".lora_" not in n for n in moved)
     assert_same_update(torch.load(spawned / "params-lora.pt"), reference, "lora")
+    # lora.publish merged: the shards' publication (each adapted layer's W + scale B A, folded on rank 0 from the
+    # gathered base weight and factors) is the replicated trainer's
+    published = torch.load(spawned / "published-lora.pt")
+    assert not any(".lora_" in n or ".base_layer." in n for n in published)
+    assert_same_update(published, publication_state(policy), "lora merged publication")
 
 
 def pi0_policy():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -93,12 +94,14 @@ def test_openvla_release_trains_on_the_toy_task_async_with_lora_and_token_ratios
         "path": str(toy_openvla),
         "action_chunk": 1,
         "action_dim": 2,
-        "lora": {"rank": 4, "alpha": 8.0},
+        "lora": {"rank": 4, "alpha": 8.0, "publish": "merged"},  # the generator runs plain layers
     }
     # every group trains (the filter's default drops these short runs' all-fail groups: no update to check)
     algo = {"type": "grpo", "group_size": 2, "steps_per_update": 32, "logprob_level": "token", "success_filter": [0, 1]}
     run = run_spec(tmp_path, spec(toy_env(state=False), model, algo, "async", 96), name="openvla-toy", timeout_s=300)
     check_learned(run, updates=2)
+    # a merged publication loads strictly into the generator's unwrapped copy (a mismatch would have ended the run)
+    assert re.search(r"serving [1-9]\d* adapted layers as plain layers", run.log("generator", 0))
 
 
 def test_lora_under_fsdp_publishes_and_checkpoints_only_what_trains_and_resumes(tmp_path, toy_openvla):

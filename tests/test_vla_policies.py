@@ -257,6 +257,34 @@ def test_a_lora_checkpoint_holds_only_what_trains_and_restores_it(oft_release, t
         ckpt.load(folder, oft(oft_release), None, torch.device("cpu"))  # the same folder, a policy without LoRA
 
 
+def test_a_merged_publication_serves_the_trained_policy_on_plain_layers(oft_release):
+    """`model.lora.publish: merged`: a publication holds each adapted layer's `W + scale B A` and the heads, no
+    factor; a generator's copy (built as the trainer's, then `prepare_to_serve`) runs plain linear layers and acts
+    as the trained LoRA policy does. The default publishes what trains (the factors and heads)."""
+    from peft.tuners.lora import LoraLayer
+
+    from vlaslurm.models import load_trained_state, prepare_to_serve, publication_state, trained_state
+
+    merged = LoraSpec(rank=4, alpha=8.0, publish="merged")
+    trained = oft(oft_release, lora=merged)
+    perturb(trained)
+    sent = publication_state(trained)
+    live = trained.state_dict()
+    adapted = {n.replace(".base_layer.", ".") for n in live if n.endswith(".base_layer.weight")}
+    assert adapted and set(sent) == adapted | {n for n in live if not n.startswith("vla.")}
+    served = oft(oft_release, lora=merged)
+    prepare_to_serve(served)
+    assert not any(isinstance(m, LoraLayer) for m in served.modules())
+    load_trained_state(served, sent)  # strict: exactly the tensors a merged publication holds
+    inp = inputs(2, cameras=2, state=True)
+    acted, reference = served.act(inp, True), trained.act(inp, True)
+    torch.testing.assert_close(acted.actions, reference.actions, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(acted.value, reference.value, atol=1e-5, rtol=1e-5)
+    adapters = oft(oft_release, lora=LoraSpec(rank=4, alpha=8.0))
+    assert publication_state(adapters).keys() == trained_state(adapters).keys()
+    assert any(".lora_A." in n for n in publication_state(adapters))
+
+
 def test_save_pretrained_writes_a_release_folder_of_the_trained_policy(oft_release, tmp_path):
     trained = oft(oft_release, lora=LoraSpec(rank=4, alpha=8.0))
     perturb(trained)

@@ -6,7 +6,17 @@ from typing import TYPE_CHECKING, Callable, Optional, Tuple, cast
 
 from torch import nn
 
-from vlaslurm.models.base import Policy, PolicyEval, PolicyInput, PolicyOutput, load_trained_state, trained_state
+from vlaslurm.models.base import (
+    Policy,
+    PolicyEval,
+    PolicyInput,
+    PolicyOutput,
+    load_trained_state,
+    prepare_to_serve,
+    publication_sources,
+    publication_state,
+    trained_state,
+)
 from vlaslurm.models.checkpoint import CheckpointError, check_checkpoint, env_action_transform, load_pretrained
 from vlaslurm.spec.model_types import ModelConfig
 from vlaslurm.spec.registry import Registry
@@ -58,6 +68,9 @@ __all__ = [
     "check_checkpoint",
     "env_action_transform",
     "load_pretrained",
+    "prepare_to_serve",
+    "publication_sources",
+    "publication_state",
     "load_trained_state",
     "trained_state",
 ]

@@ -81,6 +81,30 @@ def trained_state(policy: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return trained() if trained is not None else policy.state_dict()
 
 
+def publication_sources(policy: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The live tensors (a sharded trainer's DTensors included) a weight publication is made of: what trains, and
+    what the policy needs beside it to make its publication (`model.lora.publish: merged`: the base weights)."""
+    sources = getattr(policy, "publication_sources", None)
+    return sources() if sources is not None else trained_state(policy)
+
+
+def publication_state(
+    policy: torch.nn.Module, full: Optional[Dict[str, torch.Tensor]] = None
+) -> Dict[str, torch.Tensor]:
+    """What a weight publication sends the generators, made from `full`: the `publication_sources` as full tensors
+    (gathered from shards; by default the policy's own). With LoRA published merged, the merged weights."""
+    full = publication_sources(policy) if full is None else full
+    fold = getattr(policy, "fold_publication", None)
+    return fold(full) if fold is not None else full
+
+
+def prepare_to_serve(policy: torch.nn.Module) -> int:
+    """Make a generator's policy take what `publication_state` sends (LoRA published merged: plain layers); returns
+    how many adapted layers now run as plain ones (0: the policy serves as built)."""
+    serve = getattr(policy, "serve_merged", None)
+    return serve() if serve is not None else 0
+
+
 def load_trained_state(policy: torch.nn.Module, weights: Dict[str, torch.Tensor]) -> None:
     """Load what `trained_state` gave, strictly: exactly the tensors `policy` trains (the rest is `model.path`'s)."""
     expected = set(trained_state(policy))

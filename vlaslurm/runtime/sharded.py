@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from vlaslurm.algos.sharding import load_release_slices, materialize_sharded, shard_policy
 from vlaslurm.log import get_logger
-from vlaslurm.models import build_policy_for_shards, trained_state
+from vlaslurm.models import build_policy_for_shards, publication_sources, publication_state, trained_state
 from vlaslurm.runtime.weights import manifest_of, plan_buckets
 from vlaslurm.spec.model_types import ModelConfig
 from vlaslurm.spec.trainer_types import TrainerSpec
@@ -101,16 +101,22 @@ def shard_trainer_policy(policy: nn.Module, trainer: TrainerSpec, group, device:
 
 
 def gather_full_state(
-    policy: nn.Module, bucket_bytes: int, keep: bool, observe: Optional[Callable[[int], None]] = None
+    policy: nn.Module,
+    bucket_bytes: int,
+    keep: bool,
+    observe: Optional[Callable[[int], None]] = None,
+    publication: bool = False,
 ) -> Dict[str, Tensor]:
     """Every tensor of a sharded policy that trains (`models.trained_state`: with LoRA the adapters and the heads,
     else all) in full, gathered one bucket at a time (a collective: every trainer rank calls it). On the device a
     rank holds its shards plus at most one bucket of full tensors (`bucket_bytes`, or the largest tensor if that is
     larger); with `keep` (rank 0) each bucket moves to host memory and the whole state dict is returned, otherwise
-    it is dropped and {} is returned. `observe` gets each bucket's bytes."""
+    it is dropped and {} is returned. `observe` gets each bucket's bytes. With `publication`, what a weight
+    publication sends instead (`models.publication_state`: with LoRA published merged, the merged weights, folded
+    in host memory from the gathered base weights and adapters)."""
     from torch.distributed.tensor import DTensor
 
-    state = trained_state(policy)
+    state = publication_sources(policy) if publication else trained_state(policy)
     out: Dict[str, Tensor] = {}
     for bucket in plan_buckets(manifest_of(state), bucket_bytes):  # the weight broadcast's own plan
         full = {}
@@ -122,4 +128,7 @@ def gather_full_state(
         if keep:
             out.update({name: t.detach().to("cpu", copy=True) for name, t in full.items()})
         del full
-    return {name: out[name] for name in state} if keep else {}
+    if not keep:
+        return {}
+    full = {name: out[name] for name in state}
+    return publication_state(policy, full) if publication else full

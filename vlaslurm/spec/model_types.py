@@ -60,6 +60,13 @@ class LoraSpec:
         "'all-linear' (every linear layer of the language model but lm_head) or a list of module names "
         "such as [q_proj, v_proj].",
     )
+    publish: Literal["adapters", "merged"] = doc(
+        "adapters",
+        "What each weight publication sends the generators: 'adapters' (the LoRA factors and heads; generators "
+        "run the adapted layers) or 'merged' (every adapted layer's W + scale B A and the heads; generators run "
+        "plain layers, no adapter cost per forward, as inference engines need). Checkpoints keep the adapters. "
+        "openvla and openvla-oft only.",
+    )
 
 
 @dataclass

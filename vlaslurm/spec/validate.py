@@ -234,6 +234,11 @@ def _check_pi0(loaded: LoadedSpec) -> None:
                 "model.lora",
                 "adapts PaliGemma's language model, which model.train_expert_only freezes: set one of the two",
             )
+        if model.lora.publish == "merged":
+            raise loaded.error(
+                "model.lora.publish",
+                "'merged' is built for openvla and openvla-oft; pi0 publishes its adapters (publish: adapters)",
+            )
     if loaded.spec.algo.logprob_level == "token":
         raise loaded.error(
             "algo.logprob_level",

@@ -278,10 +278,56 @@ def merged_state_dict(vla: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def _merged_weight(layer: lora.Linear, weight: torch.Tensor) -> torch.Tensor:
-    # Summed in float32 and rounded once: a bf16 B@A added in bf16 would round twice.
     a, b = _factor(layer.lora_A[ADAPTER]), _factor(layer.lora_B[ADAPTER])
-    delta = (b.float() @ a.float()) * layer.scaling[ADAPTER]
-    return (weight.float() + delta).to(weight.dtype)
+    return _fold(weight, a, b, layer.scaling[ADAPTER])
+
+
+def _fold(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    # Summed in float32 and rounded once: a bf16 B@A added in bf16 would round twice.
+    return (weight.float() + (b.float() @ a.float()) * scale).to(weight.dtype)
+
+
+# --- merged weight publications (`model.lora.publish: merged`) -------------------------------------------------
+# The trainer keeps training the adapters; each publication sends, for every adapted layer P, the merged `P.weight`
+# (from the full `P.base_layer.weight` and factors, also when they were gathered from shards), and the generators
+# serve a VLA whose adapted layers were unwrapped back to plain linear layers (`unwrap_adapters`).
+
+
+def fold_sources(vla: nn.Module, prefix: str = "") -> List[str]:
+    """The names (under `prefix`) of the tensors a merged publication is folded from: every adapted layer's base
+    weight and its two factors, as the live module names them."""
+    return [name for path in _linear_lora_layers(vla) for name in _fold_names(prefix + path)]
+
+
+def _fold_names(path: str) -> Tuple[str, str, str]:
+    return f"{path}.base_layer.weight", f"{path}.lora_A.{ADAPTER}.weight", f"{path}.lora_B.{ADAPTER}.weight"
+
+
+@torch.no_grad()
+def fold_publication(vla: nn.Module, tensors: Dict[str, torch.Tensor], prefix: str = "") -> Dict[str, torch.Tensor]:
+    """`tensors` (full ones, holding `fold_sources`) with each adapted layer's three tensors replaced by its merged
+    `P.weight` (`W + scale·B@A`, as `merged_state_dict` folds it); the other tensors pass unchanged, in order."""
+    out: Dict[str, torch.Tensor] = {}
+    folded = set(fold_sources(vla, prefix))
+    for path, layer in _linear_lora_layers(vla).items():
+        base, a, b = (tensors[name] for name in _fold_names(prefix + path))
+        out[f"{prefix}{path}.weight"] = _fold(base, a, b, layer.scaling[ADAPTER])
+    return {**out, **{name: t for name, t in tensors.items() if name not in folded}}
+
+
+@torch.no_grad()
+def unwrap_adapters(vla: Model) -> Tuple[Model, List[str]]:
+    """Fold every adapter into its base layer and put the plain base layer back in its place (what a generator
+    serving merged publications runs: no adapter cost per forward); returns `vla` and the merged weights' names."""
+    names = []
+    for path, layer in _linear_lora_layers(vla).items():
+        base = layer.get_base_layer()
+        weight = _factor(base)  # the base of a LoRA linear layer is an nn.Linear
+        weight.copy_(_merged_weight(layer, weight))
+        parent, _, child = path.rpartition(".")
+        setattr(vla.get_submodule(parent) if parent else vla, child, base)
+        names.append(f"{path}.weight")
+    return vla, names
 
 
 def _factor(module: nn.Module) -> torch.Tensor:

@@ -20,7 +20,14 @@ from transformers import LlamaForCausalLM
 
 from vlaslurm.models.base import PolicyInput
 from vlaslurm.models.prismatic.actions import ArrayStats, Normalization, normalize_proprio_torch
-from vlaslurm.models.prismatic.lora import adapter_state_dict, lora_layers, merged_state_dict
+from vlaslurm.models.prismatic.lora import (
+    adapter_state_dict,
+    fold_publication,
+    fold_sources,
+    lora_layers,
+    merged_state_dict,
+    unwrap_adapters,
+)
 from vlaslurm.models.prismatic.oft import project_images
 from vlaslurm.models.prismatic.preprocess import ImageTransform, TextEncoder
 from vlaslurm.models.prismatic.release import (
@@ -110,6 +117,8 @@ class VLAPolicy(nn.Module):
         self.images = images
         self.proprio_stats, self.normalization = proprio_stats, normalization
         self.source: Optional[Path] = None  # the release folder it was loaded from (save_pretrained copies its files)
+        self.publish_merged = False  # model.lora.publish: merged (set by the builder)
+        self.served_merged: Optional[List[str]] = None  # a generator's copy that takes merged publications
 
     @property
     def action_chunk(self) -> int:
@@ -174,6 +183,9 @@ class VLAPolicy(nn.Module):
         """What training changes, which is what a checkpoint needs beside `model.path`: with LoRA the adapters and
         everything outside the VLA (heads, std), without it the whole state dict."""
         state = self.state_dict()
+        if self.served_merged is not None:  # what a merged publication holds: the adapted layers' weights, heads
+            merged = set(self.served_merged)
+            return {key: t for key, t in state.items() if not key.startswith("vla.") or key in merged}
         if not self.has_adapters():
             return state
         return {key: t for key, t in state.items() if not key.startswith("vla.") or ".lora_" in key}
@@ -206,3 +218,26 @@ class VLAPolicy(nn.Module):
         if not self.has_adapters():
             return {key: t.detach() for key, t in self.vla.state_dict().items()}
         return merged_state_dict(self.vla)
+
+    # --- weight publications (models.publication_state) --------------------------------------------------------
+    def publication_sources(self) -> Dict[str, torch.Tensor]:
+        """The live tensors a weight publication is made of: what trains, and under `model.lora.publish: merged`
+        each adapted layer's frozen base weight too (the merge needs it; a sharded trainer gathers them all)."""
+        state = self.trained_state_dict()
+        if not self.publish_merged:
+            return state
+        live = self.state_dict()
+        return {**state, **{name: live[name] for name in fold_sources(self.vla, "vla.")}}
+
+    def fold_publication(self, full: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """What the generators get from the full `publication_sources`: under `publish: merged` the adapted layers'
+        merged weights and the heads, else the sources themselves."""
+        return fold_publication(self.vla, full, "vla.") if self.publish_merged else full
+
+    def serve_merged(self) -> int:
+        """A generator's copy under `publish: merged`: adapters folded into plain layers (no adapter cost per
+        forward); from then on `trained_state_dict` names what a merged publication holds. Returns how many."""
+        if self.publish_merged and self.served_merged is None:
+            _, names = unwrap_adapters(self.vla)
+            self.served_merged = ["vla." + name for name in names]
+        return len(self.served_merged or [])

@@ -97,6 +97,7 @@ def build_released(
     else:
         policy = OpenVLATokenPolicy(vla, categorical=categorical, **common)
     policy.source = release
+    policy.publish_merged = cfg.lora is not None and cfg.lora.publish == "merged"
     return policy
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from vlaslurm.log import get_logger, set_context
-from vlaslurm.models import PolicyInput, build_policy, load_trained_state
+from vlaslurm.models import PolicyInput, build_policy, load_trained_state, prepare_to_serve
 from vlaslurm.rundir import Counters, EventLog, Heartbeat
 from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime import signals
@@ -177,6 +177,9 @@ class Generator:
         dims = ctx.member("simulator", 0).extra
         collocated = offloads(cfg.layout)  # then the trainer may hold the GPU now: start on the host
         self.policy = build_policy(cfg.model, **dims).to(HOST if collocated else ctx.device).eval()
+        merged = prepare_to_serve(self.policy)  # what the trainer's publications hold (model.lora.publish)
+        if merged:
+            log.info("model.lora.publish merged: serving %d adapted layers as plain layers", merged)
         self.sub = Sub(
             ctx.secret,
             channel=msgs.channel(ctx.job_key, msgs.CTL),

@@ -27,7 +27,7 @@ from vlaslurm.algos.batch import TrainBatch, collate, decode_strings, encode_str
 from vlaslurm.algos.learners import DataParallel, make_learner
 from vlaslurm.algos.sharding import ShardedDataParallel
 from vlaslurm.log import get_logger, set_context
-from vlaslurm.models import build_policy, load_trained_state, trained_state
+from vlaslurm.models import build_policy, load_trained_state, publication_state
 from vlaslurm.rundir import Counters, EventLog, Heartbeat, RunDir, append_metrics, read_heartbeats
 from vlaslurm.runtime import checkpoint as ckpt
 from vlaslurm.runtime import messages as msgs
@@ -482,9 +482,10 @@ class Shards:
     def tell(self, command: Command) -> None:
         send_command(command, self.group, self.src)
 
-    def full_state(self, keep: bool) -> Dict[str, torch.Tensor]:
-        """The full weights (a collective); rank 0 keeps them in host memory (`keep`), the others get {}."""
-        return gather_full_state(self.policy, self.bucket_bytes, keep)
+    def full_state(self, keep: bool, publication: bool = False) -> Dict[str, torch.Tensor]:
+        """The full weights (a collective), or with `publication` what a weight publication sends; rank 0 keeps
+        them in host memory (`keep`), the others get {}."""
+        return gather_full_state(self.policy, self.bucket_bytes, keep, publication=publication)
 
 
 def check_strategy(cfg: TrainerConfig, ranks: int) -> None:
@@ -631,9 +632,10 @@ def lead(
     finished = False
     tracker = open_tracker(cfg.tracking, ctx.run_dir)  # MLflow, from its own thread (vlaslurm.tracking)
     offloader = trainer_offloader(ctx, cfg.layout, policy, learner, col.events)
-    first = shards.full_state(keep=True) if shards is not None else None  # fsdp: the followers join this gather
+    # fsdp: the followers join this gather
+    first = shards.full_state(keep=True, publication=True) if shards is not None else None
     leave_device(ctx, col, offloader, version, ctx.deadlines.first_s)  # the other ranks are still starting
-    publisher.publish(version, trained_state(policy) if first is None else first)
+    publisher.publish(version, publication_state(policy) if first is None else first)
     col.mark_published(version)
     del first
     idle = Idle(ctx, col, group, src)
@@ -716,7 +718,7 @@ def sharded_boundary(
         save_checkpoint(cfg, ctx, col, policy, learner, shards, tmp)
     if publish:
         # Gathered before the announcement: the generators wait for the weights from the moment they are announced.
-        publish_version(ctx, col, offloader, publisher, policy, version, shards.full_state(keep=True))
+        publish_version(ctx, col, offloader, publisher, policy, version, shards.full_state(True, publication=True))
 
 
 def sharded_save_folder(ctx: RankContext, version: int) -> Path:
@@ -819,15 +821,16 @@ def publish_version(
     version: int,
     gathered: Optional[Dict[str, torch.Tensor]] = None,
 ) -> None:
-    """Hand `version` to the generators: what trains of `policy` (`trained_state`: with LoRA the adapters and the
-    heads, the generators hold `model.path`'s frozen rest), or the full weights `gathered` from shards."""
+    """Hand `version` to the generators: `models.publication_state` of `policy` (what trains: with LoRA the adapters
+    and the heads, the generators hold `model.path`'s frozen rest; under `lora.publish: merged` the adapted layers'
+    merged weights), or that publication `gathered` from shards."""
     col.events.add("publish", t=ctx.now(), v=version)
     col.mark_published(version)
     # Announce first: generators look for weights when announced (a broadcast waits for all of them);
     # lock-step requests for the new version wait at the generator until it is installed.
     col.announce(version, force=True)
     leave_device(ctx, col, offloader, version, ctx.deadlines.running_s)
-    state = trained_state(policy) if gathered is None else gathered
+    state = publication_state(policy) if gathered is None else gathered
     try:
         publisher.publish(version, state)  # the WeightPublisher protocol: no per-call timeout
     except Exception as err:
@@ -878,7 +881,7 @@ def follow(
     )
     try:
         if shards is not None:
-            shards.full_state(keep=False)  # rank 0's first publication
+            shards.full_state(keep=False, publication=True)  # rank 0's first publication
         while True:
             offloader.offload(version)  # a rollout phase: the GPU is the generator's
             # Rank 0 sends the batch only once every generator left the GPU: receiving it is our signal to move on.
@@ -906,8 +909,8 @@ def join(cfg: TrainerConfig, ctx: RankContext, learner, shards: Shards, command:
         optimizer = getattr(learner, "opt", None)
         tmp = Path(command.checkpoint)
         ckpt.save_sharded(ctx.run_dir, tmp, None, shards.policy, optimizer, [], cfg.checkpoint.keep, shards.group)
-    if command.publish or command.final:
-        shards.full_state(keep=False)
+    if command.publish or command.final:  # never both: a publication between updates, the final model after them
+        shards.full_state(keep=False, publication=command.publish)
 
 
 def trainer_offloader(
