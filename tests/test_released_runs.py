@@ -104,6 +104,33 @@ def test_openvla_release_trains_on_the_toy_task_async_with_lora_and_token_ratios
     assert re.search(r"serving [1-9]\d* adapted layers as plain layers", run.log("generator", 0))
 
 
+def test_lora_under_fsdp_can_publish_merged_weights(tmp_path, toy_openvla):
+    """`model.lora.publish: merged` with 2 fsdp trainer ranks: every publication the generators load holds the
+    adapted layers' merged weights and the heads (no factor, no other frozen weight), folded on rank 0 from what
+    both ranks gathered; the generator runs plain layers."""
+    from safetensors import safe_open
+
+    from vlaslurm.rundir import RunDir
+
+    lora = {"rank": 4, "publish": "merged"}
+    model = {"type": "openvla", "path": str(toy_openvla), "action_chunk": 1, "action_dim": 2, "lora": lora}
+    run_spec_ = spec(toy_env(state=False), model, {"type": "ppo", "steps_per_update": 16}, "sync", 16 * 3)
+    run_spec_["rollout"]["weight_sync"] = "filesystem"
+    run_spec_["trainer"] = {"strategy": "fsdp"}
+    ranks = ["runtime.local_ranks={simulator: 1, generator: 1, trainer: 2}"]
+    run = run_spec(tmp_path, run_spec_, ranks, name="merged", timeout_s=240)
+    assert run.rc == 0, run.log("trainer", 0)[-3000:] + run.log("trainer", 1)[-2000:]
+    assert run.ledger["behavior_version"].max() >= 1  # segments played by a published merged version
+    published = sorted(RunDir(run.run_dir).weights.glob("v*.safetensors"))
+    assert published
+    with safe_open(str(published[-1]), "pt") as f:
+        names = list(f.keys())
+    assert not any(".lora_" in n or ".base_layer." in n for n in names), names
+    assert any(n.startswith("vla.language_model.") for n in names) and "value_head.weight" in names
+    assert not any(n.startswith("vla.vision_backbone.") for n in names)  # not adapted: the generator has it
+    assert re.search(r"serving [1-9]\d* adapted layers as plain layers", run.log("generator", 0))
+
+
 def test_lora_under_fsdp_publishes_and_checkpoints_only_what_trains_and_resumes(tmp_path, toy_openvla):
     """LoRA over a release with 2 fsdp trainer ranks: the generators get the adapters and the heads only (they hold
     the release's frozen base), a sharded checkpoint holds no frozen tensor, and the run resumes from it."""
