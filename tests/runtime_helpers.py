@@ -92,18 +92,16 @@ def run_spec(
     overrides: Sequence[str] = (),
     name: str = "run",
     timeout_s: float = 90,
-    preflight: bool = False,
 ) -> Run:
-    """Write `spec` under `tmp_path` and run it locally to the end. The simulators' rendering preflight (25-40 s
-    per ManiSkill or LIBERO run on two cores) runs only with `preflight`: test_preflight checks it, and one LIBERO
-    run and the experiment jobs on Slurm show that a simulator rank runs it."""
+    """Write `spec` under `tmp_path` and run it locally to the end, without the simulators' rendering preflight
+    (25-40 s per ManiSkill or LIBERO run on two cores): test_preflight checks it, and the experiment jobs on the
+    local Slurm cluster show that a simulator rank runs it."""
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
     run_dir = tmp_path / name
     os.environ.setdefault("VLASLURM_TRACKING", "off")  # the ranks inherit it: no MLflow in these runs
     loaded = load_spec(path, list(overrides))
-    assert not (preflight and _preflight_runs), "a run with its preflight beside runs without: the env is shared"
-    with contextlib.nullcontext() if preflight else preflight_off():
+    with preflight_off():
         rc = run_local(loaded, tmp_path / "runs", run_dir, echo=False, timeout_s=timeout_s)
     return Run(rc, run_dir)
 
@@ -115,9 +113,9 @@ _preflight_before: Optional[str] = None
 
 @contextlib.contextmanager
 def preflight_off() -> Iterator[None]:
-    """VLASLURM_PREFLIGHT=off (the ranks inherit it) while any run that asked for it is under way, then as before.
-    Tests run several at once from threads: a MonkeyPatch each restored what another had set, and `off` stayed
-    for the worker's later tests (a LIBERO run that checks its preflight then found none)."""
+    """VLASLURM_PREFLIGHT=off (the ranks inherit it) while any local run is under way, then as before. Tests run
+    several at once from threads: a MonkeyPatch each restored what another had set, and `off` stayed for the
+    worker's later tests (a job they submit to Slurm would inherit it and skip its preflight)."""
     global _preflight_runs, _preflight_before
     with _preflight_lock:
         if _preflight_runs == 0:

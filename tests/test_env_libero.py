@@ -185,7 +185,9 @@ def test_runtime_runs_libero_with_images(tmp_path):
         },
         "runtime": {"first_meeting_timeout_s": 300, "timeout_s": 180},
     }
-    run = run_spec(tmp_path, spec, name="libero", timeout_s=500, preflight=True)
+    # Without the rendering preflight (25-40 s here): test_preflight checks it, and the LIBERO experiment job on
+    # the local Slurm cluster shows that a simulator rank runs it before it builds (test_experiments_slurm).
+    run = run_spec(tmp_path, spec, name="libero", timeout_s=500)
     logs = "\n".join(
         run.log(role, 0)[-1500:]
         for role in ("simulator", "generator", "trainer")
@@ -193,7 +195,6 @@ def test_runtime_runs_libero_with_images(tmp_path):
     )
     assert run.rc == 0, logs
     assert len(run.ledger) > 0, logs
-    assert "preflight libero: ok" in run.log("simulator", 0)  # a simulator rank checks rendering before it builds
 
 
 def _choose_in_child(environ: dict) -> dict:

@@ -174,6 +174,8 @@ def test_maniskill_experiment_submits_and_runs(jobs: Dict[str, Union[Job, str]])
 def test_libero_experiment_submits_and_runs(jobs: Dict[str, Union[Job, str]]) -> None:
     job = job_of(jobs, "libero")
     ledger = check_completed(job, "libero")
+    # a simulator rank checks that LIBERO renders before it builds its scenes (the local runs skip it for time)
+    assert "preflight libero: ok" in (job.run_dir / "logs" / "simulator" / "0.log").read_text()
     # LIBERO's tasks are suite/index: task 0 of the two suites the job keeps, each played by its group
     assert set(ledger["task"]) == {f"{suite}/0" for suite in spec_tasks("libero")[:2]}
     # The spec's fsdp trainer (hybrid: 2 ranks here) read the release straight into its shards, each rank its rows.
