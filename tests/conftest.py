@@ -66,17 +66,14 @@ def package_warnings() -> Iterator[List[str]]:
     logger.removeHandler(handler)
 
 
+@pytest.fixture(name="cpu_hog")
 def _cpu_hog() -> Iterator[int]:
-    """A CPU load beside the test (cpu_hog) or a module's shared runs (cpu_hog_module) when
-    VLASLURM_TEST_CPU_HOG=1 (`.ci/test`); see tests/cpu_hog.py."""
+    """A CPU load beside the test when VLASLURM_TEST_CPU_HOG=1 (`.ci/test`); see tests/cpu_hog.py (whose context
+    manager a module's shared runs use directly, so that the load ends with them)."""
     from cpu_hog import cpu_hog as hog
 
     with hog() as count:
         yield count
-
-
-cpu_hog = pytest.fixture(_cpu_hog, name="cpu_hog")
-cpu_hog_module = pytest.fixture(_cpu_hog, scope="module", name="cpu_hog_module")
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ from typing import Dict, List
 
 import numpy as np
 import pytest
+from cpu_hog import cpu_hog as cpu_load
 from runtime_helpers import RANKS_2, Run, check_trained_versions, overlaps, run_spec, synthetic_spec
 
 from vlaslurm.envs import make_env, synthetic
@@ -27,12 +28,14 @@ MODES = {"sync": {}, "pipelined": {"pipeline_depth": 2}, "async": {"max_stalenes
 
 
 @pytest.fixture(scope="module")
-def mode_runs(tmp_path_factory, cpu_hog_module: int) -> Dict[str, Run]:
-    """One run per mode with two ranks of every role (shared by the tests below), beside CI's CPU hog."""
+def mode_runs(tmp_path_factory) -> Dict[str, Run]:
+    """One run per mode with two ranks of every role (shared by the tests below), beside CI's CPU hog. The hog
+    stops with the runs: as a module-scoped fixture it had busied a core for the whole module (~2.5 min)."""
     runs = {}
-    for mode, extra in MODES.items():
-        tmp = tmp_path_factory.mktemp(mode)
-        runs[mode] = run_spec(tmp, synthetic_spec(mode, **extra), [RANKS_2], name=mode)
+    with cpu_load():
+        for mode, extra in MODES.items():
+            tmp = tmp_path_factory.mktemp(mode)
+            runs[mode] = run_spec(tmp, synthetic_spec(mode, **extra), [RANKS_2], name=mode)
     return runs
 
 
