@@ -60,9 +60,9 @@ def run(name: str, check: Check, seed: int) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"quickstart-{name}-")) / "run"
     command = [sys.executable, "-m", "vlaslurm.cli", "run", str(REPO / "experiments" / check.spec)]
     command += [*check.overrides, f"rollout.seed={seed}", "--run-dir", str(run_dir)]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     load = os.getloadavg()[0]
     t0 = time.monotonic()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     rc = subprocess.run(command, cwd=REPO, env={**os.environ, "VLASLURM_TRACKING": "off"}).returncode
     wall = time.monotonic() - t0
     from vlaslurm.rundir import RunDir
@@ -146,7 +146,7 @@ def report(rows: List[dict]) -> str:
         bar = f">= {check.bar} within {check.minutes:g} min: {'met' if r['met'] else 'NOT met'}"
         spec = " ".join([r["spec"], *r["overrides"]])
         lines.append(
-            f"| {r['check']} | `{spec}` | {r['seed']} | {r.get('commit', '-')} | {r['rc']} | {r['wall_s']:.0f} s | "
+            f"| {r['check']} | `{spec}` | {r['seed']} | {r.get('commit') or '-'} | {r['rc']} | {r['wall_s']:.0f} s | "
             f"{r['load_start']} | {r['episodes']} | {curve_at(r.get('curve', []))} | {r['last_fifth_success']:.3f} "
             f"| {bar} |"
         )

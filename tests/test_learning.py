@@ -6,7 +6,7 @@ process), with a fixed seed, in sync and in async mode:
 
 The bars are the issue's. The budgets (env steps) come from the spread over seeds 0-4 in
 benchmarks/learning_curves.py (results/learning_curves.md), whose settings these are, at the runs' own
-commits (PPO with a value per action, `ppo-action-value`: sync 3084a67, async 4922e82; GRPO sync bc90fac, GRPO
+commits (PPO with a value per action, `ppo-action-value`: sync 3084a67, async 666d022; GRPO sync bc90fac, GRPO
 async f194bb5). PPO learns with a value per executed action (`algo.value_level: action`, RLinf-VLA's finding):
 it reaches the bar at ~2/3 of the env steps a value per chunk needs, so these tests cost a third less. Sync runs
 repeat under a seed: PPO sync was at 0.59-0.94 by 40k (seed 0: 0.91), GRPO sync at 0.17-0.53 by 50k. Async runs

@@ -130,5 +130,5 @@ def gather_full_state(
         del full
     if not keep:
         return {}
-    full = {name: out[name] for name in state}
-    return publication_state(policy, full) if publication else full
+    gathered = {name: out[name] for name in state}
+    return publication_state(policy, gathered) if publication else gathered

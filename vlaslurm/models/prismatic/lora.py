@@ -18,7 +18,7 @@ import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, TypeVar, Union, cast
+from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Sequence, Set, Tuple, TypeVar, Union, cast
 
 import torch
 from peft import LoraConfig, PeftType, get_peft_model_state_dict, inject_adapter_in_model, set_peft_model_state_dict
@@ -308,10 +308,12 @@ def fold_publication(vla: nn.Module, tensors: Dict[str, torch.Tensor], prefix: s
     """`tensors` (full ones, holding `fold_sources`) with each adapted layer's three tensors replaced by its merged
     `P.weight` (`W + scale·B@A`, as `merged_state_dict` folds it); the other tensors pass unchanged, in order."""
     out: Dict[str, torch.Tensor] = {}
-    folded = set(fold_sources(vla, prefix))
+    folded: Set[str] = set()
     for path, layer in _linear_lora_layers(vla).items():
-        base, a, b = (tensors[name] for name in _fold_names(prefix + path))
+        names = _fold_names(prefix + path)
+        base, a, b = (tensors[name] for name in names)
         out[f"{prefix}{path}.weight"] = _fold(base, a, b, layer.scaling[ADAPTER])
+        folded.update(names)
     return {**out, **{name: t for name, t in tensors.items() if name not in folded}}
 
 

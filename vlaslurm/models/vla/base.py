@@ -182,7 +182,9 @@ class VLAPolicy(nn.Module):
     def trained_state_dict(self) -> Dict[str, torch.Tensor]:
         """What training changes, which is what a checkpoint needs beside `model.path`: with LoRA the adapters and
         everything outside the VLA (heads, std), without it the whole state dict."""
-        state = self.state_dict()
+        return self._trained(self.state_dict())
+
+    def _trained(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         if self.served_merged is not None:  # what a merged publication holds: the adapted layers' weights, heads
             merged = set(self.served_merged)
             return {key: t for key, t in state.items() if not key.startswith("vla.") or key in merged}
@@ -223,11 +225,11 @@ class VLAPolicy(nn.Module):
     def publication_sources(self) -> Dict[str, torch.Tensor]:
         """The live tensors a weight publication is made of: what trains, and under `model.lora.publish: merged`
         each adapted layer's frozen base weight too (the merge needs it; a sharded trainer gathers them all)."""
-        state = self.trained_state_dict()
-        if not self.publish_merged:
-            return state
         live = self.state_dict()
-        return {**state, **{name: live[name] for name in fold_sources(self.vla, "vla.")}}
+        trained = self._trained(live)
+        if not self.publish_merged:
+            return trained
+        return {**trained, **{name: live[name] for name in fold_sources(self.vla, "vla.")}}
 
     def fold_publication(self, full: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """What the generators get from the full `publication_sources`: under `publish: merged` the adapted layers'
