@@ -2,7 +2,9 @@
 
 The same worker entry point as under Slurm; only the launcher differs. The
 launcher supervises the ranks: the first failure stops the rest, and each
-rank's exit is written to the exit record as the batch script does.
+rank's exit is written to the exit record as the batch script does. Ranks are
+forked from a zygote that has imported torch and the run's policy module once
+(`runtime.zygote`), or started as fresh interpreters where it cannot start.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from vlaslurm import rundir
 from vlaslurm.rundir import RunDir
 from vlaslurm.runtime.signals import DRAIN_SIGNAL, REQUEUE_EXIT
-from vlaslurm.spec import LoadedSpec
+from vlaslurm.runtime.zygote import ForkedRank, Zygote, ZygoteError
+from vlaslurm.spec import ExperimentSpec, LoadedSpec, load_spec
 from vlaslurm.spec.plan import build_plan
 from vlaslurm.spec.validate import check_model_path
 
@@ -33,8 +36,18 @@ Tick = Callable[[Path], None]  # called with the run directory while the ranks r
 class LocalProc:
     role: str
     rank: int
-    proc: subprocess.Popen
+    proc: Union[subprocess.Popen, ForkedRank]
     started: float
+
+
+# What a zygote imports before it forks the ranks: torch and the role modules (the trainer's pulls in pyarrow,
+# which starts a thread, so the trainer imports it after the fork), then the module of the spec's policy.
+ZYGOTE_MODULES = (
+    "torch",
+    "vlaslurm.runtime.context",
+    "vlaslurm.runtime.roles.simulator",
+    "vlaslurm.runtime.roles.generator",
+)
 
 
 def local_ranks(loaded: LoadedSpec) -> Dict[str, int]:
@@ -81,8 +94,7 @@ def run_local(
     if echo:
         print(f"run dir: {directory}", flush=True)
     args = (["--probe"] if probe else []) + list(extra_args)
-    procs = [_spawn(directory, role, rank, args, info) for role in ROLES for rank in range(info.ranks.get(role, 0))]
-    return _supervise(directory, procs, echo, timeout_s, on_tick=on_tick)
+    return _launch(directory, info, loaded.spec, args, echo, timeout_s, 0, on_tick)
 
 
 def resume_local(info: rundir.RunInfo, echo: bool = True, timeout_s: Optional[float] = None) -> int:
@@ -93,26 +105,66 @@ def resume_local(info: rundir.RunInfo, echo: bool = True, timeout_s: Optional[fl
     attempt = len(list(attempts.glob("*"))) if attempts.is_dir() else 0
     if echo:
         print(f"run dir: {directory} (attempt {attempt})", flush=True)
-    procs = [
-        _spawn(directory, role, rank, [], info, attempt) for role in ROLES for rank in range(info.ranks.get(role, 0))
-    ]
-    return _supervise(directory, procs, echo, timeout_s, attempt)
+    spec = load_spec(RunDir(directory).spec).spec
+    return _launch(directory, info, spec, [], echo, timeout_s, attempt)
 
 
-def _spawn(directory: Path, role: str, rank: int, args: List[str], info: rundir.RunInfo, attempt: int = 0) -> LocalProc:
+def _launch(
+    directory: Path,
+    info: rundir.RunInfo,
+    spec: ExperimentSpec,
+    args: List[str],
+    echo: bool,
+    timeout_s: Optional[float],
+    attempt: int,
+    on_tick: Optional[Tick] = None,
+) -> int:
+    """Start every rank of `info` and supervise them to the end."""
+    zygote = _start_zygote(spec)
+    try:
+        procs = [
+            _spawn(directory, role, rank, args, info, attempt, zygote)
+            for role in ROLES
+            for rank in range(info.ranks.get(role, 0))
+        ]
+        return _supervise(directory, procs, echo, timeout_s, attempt, on_tick)
+    finally:
+        if zygote is not None:
+            zygote.close()
+
+
+def _start_zygote(spec: ExperimentSpec) -> Optional[Zygote]:
+    try:
+        return Zygote(ZYGOTE_MODULES, _base_env(), policy=spec.model.type)
+    except (ZygoteError, OSError) as err:
+        print(f"vlaslurm: {err}; starting every rank as a fresh process", file=sys.stderr, flush=True)
+        return None
+
+
+def _base_env() -> Dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("OMP_NUM_THREADS", "1")  # many ranks share few cores; one BLAS thread each
+    return env
+
+
+def _spawn(
+    directory: Path,
+    role: str,
+    rank: int,
+    args: List[str],
+    info: rundir.RunInfo,
+    attempt: int = 0,
+    zygote: Optional[Zygote] = None,
+) -> LocalProc:
     log_path = RunDir(directory).log(role, rank)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(
-        os.environ,
-        VLASLURM_RANK=str(rank),
-        VLASLURM_JOB_KEY=f"local-{Path(info.run_dir).name}-r{attempt}",
-        PYTHONUNBUFFERED="1",
-    )
-    env.setdefault("OMP_NUM_THREADS", "1")  # many ranks share few cores; one BLAS thread each
-    log = open(log_path, "ab")
-    cmd = [sys.executable, "-m", "vlaslurm.runtime.worker", "--role", role, "--run-dir", str(directory), *args]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    log.close()
+    env = dict(_base_env(), VLASLURM_RANK=str(rank), VLASLURM_JOB_KEY=f"local-{Path(info.run_dir).name}-r{attempt}")
+    argv = ["--role", role, "--run-dir", str(directory), *args]
+    if zygote is not None:
+        return LocalProc(role, rank, zygote.spawn(argv, env, log_path), time.time())
+    with open(log_path, "ab") as log:
+        cmd = [sys.executable, "-m", "vlaslurm.runtime.worker", *argv]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return LocalProc(role, rank, proc, time.time())
 
 
@@ -140,9 +192,10 @@ def _supervise(
                 on_tick(directory)
             for p in [p for p in running if p.proc.poll() is not None]:
                 running.remove(p)
-                _record(directory, f"{p.role}[{p.rank}]", p.proc.returncode, p.started, attempt)
-                if p.proc.returncode != 0 and status == 0:
-                    status = p.proc.returncode if p.proc.returncode > 0 else 128 - p.proc.returncode
+                code = p.proc.wait()  # it has ended: its code, at once
+                _record(directory, f"{p.role}[{p.rank}]", code, p.started, attempt)
+                if code != 0 and status == 0:
+                    status = code if code > 0 else 128 - code
                     print(_failure(directory, p), file=sys.stderr, flush=True)
                     _terminate(running)
             if deadline and time.monotonic() > deadline and running:
@@ -205,7 +258,7 @@ def _restore_signals(previous: Dict[int, object]) -> None:
 
 def _failure(directory: Path, p: LocalProc) -> str:
     """What the launcher says when a rank ends with a non-zero code."""
-    code = p.proc.returncode
+    code = p.proc.wait()
     resume = f"continue with: vlaslurm resume {directory} --local"
     if code == REQUEUE_EXIT:
         return f"vlaslurm: {p.role}[{p.rank}] saved a checkpoint and stopped on a signal; {resume}"

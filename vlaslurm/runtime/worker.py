@@ -23,10 +23,11 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 from vlaslurm.log import get_logger
 from vlaslurm.rundir import RunDir, append_restart
+from vlaslurm.runtime import zygote
 
 # Each role: its module (entry point `run(ctx, cfg)`) and its config class, built here `from_spec`.
 ROLE_MODULES = {
@@ -141,7 +142,7 @@ def supervise(argv: List[str], role: str, rank: int, max_restarts: int, run_dir:
     """Run the worker as a child; start it again when it dies, up to `max_restarts` times."""
     from vlaslurm.runtime.signals import REQUEUE_EXIT, RESTART_ENV
 
-    child: Optional[subprocess.Popen] = None
+    child: Optional[Union[subprocess.Popen, zygote.ChildProcess]] = None
     stopping: List[int] = []
 
     def forward(signum: int, frame) -> None:  # noqa: ARG001 - signal handler signature
@@ -155,9 +156,7 @@ def supervise(argv: List[str], role: str, rank: int, max_restarts: int, run_dir:
     restarts = 0
     while True:
         started = time.time()
-        child = subprocess.Popen(
-            [sys.executable, "-m", "vlaslurm.runtime.worker", *argv], env={**os.environ, RESTART_ENV: str(restarts)}
-        )
+        child = _start_worker(argv, {**os.environ, RESTART_ENV: str(restarts)})
         code = child.wait()
         if code in (0, REQUEUE_EXIT) or stopping:
             return code if code >= 0 else 128 - code
@@ -205,6 +204,14 @@ def supervise(argv: List[str], role: str, rank: int, max_restarts: int, run_dir:
                 "job_key": os.environ.get("VLASLURM_JOB_KEY", ""),
             },
         )
+
+
+def _start_worker(argv: List[str], env: Dict[str, str]) -> Union[subprocess.Popen, zygote.ChildProcess]:
+    """The supervised worker: forked where this supervisor was itself forked by a local run's zygote (torch is
+    imported already), else a fresh interpreter."""
+    if zygote.forked():
+        return zygote.ChildProcess(zygote.fork_worker(argv, env))
+    return subprocess.Popen([sys.executable, "-m", "vlaslurm.runtime.worker", *argv], env=env)
 
 
 def append_output_to(path: Path) -> None:

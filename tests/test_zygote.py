@@ -1,0 +1,97 @@
+"""Local runs fork their ranks from one zygote that imported torch once (vlaslurm/runtime/zygote.py).
+
+What a rank must still be: a process of its own session with its log as stdout and stderr, the environment it
+was given, its exit code (or the signal that ended it) reported to the launcher; a supervised rank's worker is
+forked by its supervisor. A zygote whose imports started a thread refuses to fork, and the launcher then starts
+fresh interpreters.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+from runtime_helpers import member_pid, run_spec, synthetic_spec, wait_for
+
+from vlaslurm.runtime import local
+from vlaslurm.runtime.zygote import Zygote, ZygoteError
+
+
+def test_a_local_runs_ranks_are_forked_from_its_zygote_and_it_ends_with_the_run(tmp_path: Path) -> None:
+    spec = synthetic_spec("sync", total_env_steps=4000)
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(run=run_spec(tmp_path, spec, timeout_s=120)), daemon=True)
+    runner.start()
+    run_dir = tmp_path / "run"
+    ranks = {role: wait_for(lambda r=role: member_pid(run_dir, r, 0), 60, f"{role}[0]") for role in local.ROLES}
+    parents = {role: psutil.Process(pid).parent() for role, pid in ranks.items()}
+    zygote = parents["trainer"]
+    assert "vlaslurm.runtime.zygote" in " ".join(zygote.cmdline())
+    assert parents["generator"].pid == zygote.pid
+    # simulators restart by default: the rank is a supervisor, forked by the zygote, that forked the worker
+    assert parents["simulator"].parent().pid == zygote.pid
+    assert parents["simulator"].cmdline() == zygote.cmdline()  # forked, not a fresh interpreter
+    assert all(os.getsid(pid) != os.getsid(0) for pid in ranks.values()), "a rank shares the launcher's session"
+    runner.join(150)
+    assert result["run"].rc == 0
+    assert not psutil.pid_exists(zygote.pid) or zygote.status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_forked_rank_gets_its_environment_and_log_and_its_exit_is_reported(tmp_path: Path) -> None:
+    log = tmp_path / "rank.log"
+    zygote = Zygote(["torch"], dict(os.environ))
+    try:
+        env = dict(os.environ, VLASLURM_RANK="3", VLASLURM_JOB_KEY="key-from-the-launcher")
+        # no run directory there: the worker says so in its log and exits 1
+        failed = zygote.spawn(["--role", "generator", "--run-dir", str(tmp_path / "absent")], env, log)
+        assert failed.wait(60) == 1
+        text = log.read_text()
+        assert "==== generator[3] pid" in text and "job key key-from-the-launcher" in text
+        assert str(tmp_path / "absent") in text
+        assert failed.pid != os.getpid() and not psutil.pid_exists(failed.pid)
+
+        # a rank that waits (for peers that never come) and is killed: the signal is its code, as Popen gives it
+        run = local.prepare_local_run(_loaded(tmp_path), tmp_path / "runs", tmp_path / "run")
+        env = dict(env, VLASLURM_RANK="0", VLASLURM_WORKER_RESTART="0")  # the worker itself, no supervisor
+        waiting = zygote.spawn(["--role", "simulator", "--run-dir", run.run_dir], env, tmp_path / "sim.log")
+        wait_for(lambda: member_pid(Path(run.run_dir), "simulator", 0), 60, "the simulator joining")
+        assert waiting.poll() is None
+        os.kill(waiting.pid, signal.SIGKILL)
+        assert waiting.wait(30) == -signal.SIGKILL
+    finally:
+        zygote.close()
+    assert zygote.proc.returncode == 0
+
+
+def test_a_zygote_whose_imports_start_a_thread_refuses_and_the_launcher_starts_fresh_processes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "threaded_import.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    with pytest.raises(ZygoteError, match="did not start"):
+        Zygote(["threaded_import"], env)
+    assert "started 1 thread(s); not forking" in capfd.readouterr().err
+
+    monkeypatch.setattr(local, "ZYGOTE_MODULES", ("threaded_import",))
+    monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
+    run = run_spec(tmp_path, synthetic_spec("sync", total_env_steps=160), timeout_s=90)
+    assert run.rc == 0
+    assert "starting every rank as a fresh process" in capfd.readouterr().err
+    assert "worker restart 0" in (run.run_dir / "logs" / "trainer" / "0.log").read_text()
+
+
+def _loaded(tmp_path: Path):
+    import yaml
+
+    from vlaslurm.spec import load_spec
+
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(synthetic_spec("sync")))
+    return load_spec(path)
