@@ -69,7 +69,7 @@ def render(
 
 def steps_of(text: str) -> str:
     """The launch lines of a script: what the container changes."""
-    return text[text.index("\nlaunch simulator srun") : text.index("\n\n# USR2")].strip() + "\n"
+    return text[text.index("\nlaunch simulator ") : text.index("\n\n# USR2")].strip() + "\n"
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -3,8 +3,8 @@
 Each job is `vlaslurm submit experiments/<x>.yaml --site local` with only the dotted overrides a user
 of a small cluster types: `model.path` at a tiny random OpenVLA-OFT checkpoint written here in the released
 layout (nothing is downloaded), a few environments, short episodes, a few hundred env steps,
-one rank per role, 16-pixel images (the spec's cameras kept) and, for GRPO, groups of two. The tasks
-are the spec's; LIBERO takes task 0 of each of its four suites, so four environments cover them all.
+one rank per role with one CPU each, 16-pixel images (the spec's cameras kept) and, for GRPO, groups of
+two. The tasks are the spec's; LIBERO takes task 0 of each of its four suites, so four environments cover them all.
 The three jobs are submitted together and run side by side (they fit on the cluster's four nodes).
 
 ManiSkill and LIBERO run for real (CI installs them and sets VLASLURM_REQUIRE_SIMS=1, which makes
@@ -60,6 +60,8 @@ def overrides(name: str, checkpoint: Path) -> List[str]:
         f"rollout.total_env_steps={TOTAL_ENV_STEPS[name]}",
         "runtime.first_meeting_timeout_s=300",  # the site's 60 s is for jobs that start in seconds
         *one_rank_per_role("simulator", "generator", "trainer"),
+        # the spec's 4-8 CPUs per rank become each rank's torch threads: on two cores they spun against each other
+        *(f"resources.{role}.cpus_per_task=1" for role in ("simulator", "generator", "trainer")),
     ]
     return (
         common

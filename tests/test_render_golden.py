@@ -150,14 +150,44 @@ def test_eval_plan_drops_the_trainer_in_every_layout() -> None:
 ODD = "odd dir $(touch {tmp}/PWNED1) `touch {tmp}/PWNED2`; touch {tmp}/PWNED3 'q' 50%j"
 
 
-def _fake_srun(bin_dir: Path, calls: Path) -> None:
-    """An `srun` that records its arguments as JSON and exits 0."""
+def _fake_srun(bin_dir: Path, calls: Path, record: str) -> None:
+    """An `srun` that records `record` (its arguments) as JSON and exits 0."""
     bin_dir.mkdir()
     srun = bin_dir / "srun"
     srun.write_text(
-        f"#!/usr/bin/env python3\nimport json, sys\nopen({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+        f"#!/usr/bin/env python3\nimport json, os, sys\nopen({str(calls)!r}, 'a').write(json.dumps({record}) + '\\n')\n"
     )
     srun.chmod(0o755)
+
+
+def _run_faked(tmp_path: Path, text: str, record: str) -> list:
+    """Execute a rendered script with `srun` faked; what each step's srun recorded."""
+    calls = tmp_path / "calls.jsonl"
+    _fake_srun(tmp_path / "bin", calls, record)
+    script = tmp_path / "job.sbatch"
+    script.write_text(text)
+    env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": "42", "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(line) for line in calls.read_text().splitlines()]
+
+
+def test_each_step_gets_its_cpus_per_task_as_omp_threads_unless_the_setup_sets_them(tmp_path: Path) -> None:
+    """Without a cpuset every rank's torch would take all cores of its node and spin against the others."""
+    cpus = {"simulator": 3, "generator": 2, "trainer": 5}
+    overrides = [f"resources.{role}.cpus_per_task={n}" for role, n in cpus.items()]
+    record = "[os.environ.get('OMP_NUM_THREADS'), sys.argv]"
+
+    def threads(case: str, extra: list) -> dict:
+        work = tmp_path / case
+        (work / "run-42").mkdir(parents=True)
+        steps = _run_faked(
+            work, render(TESTS / "specs" / "probe-3c.yaml", str(work / "run"), overrides + extra), record
+        )
+        return {argv[argv.index("--role") + 1]: omp for omp, argv in steps}
+
+    assert threads("default", []) == {role: str(n) for role, n in cpus.items()}
+    assert threads("exported", ["slurm.setup=[export OMP_NUM_THREADS=7]"]) == dict.fromkeys(cpus, "7")
 
 
 def test_odd_run_dir_and_python_run_nothing_unintended(tmp_path: Path) -> None:
@@ -173,16 +203,9 @@ def test_odd_run_dir_and_python_run_nothing_unintended(tmp_path: Path) -> None:
     assert f'RUN_DIR={shlex.quote(str(run_dir))}-"${{SLURM_JOB_ID}}"' in text
     final = Path(f"{run_dir}-42")
     final.mkdir(parents=True)
-    calls = tmp_path / "calls.jsonl"
-    _fake_srun(tmp_path / "bin", calls)
-    script = tmp_path / "job.sbatch"
-    script.write_text(text)
-    env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": "42", "HOME": str(tmp_path)}
-    proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
+    steps = _run_faked(tmp_path, text, "sys.argv[1:]")
     made = [p for p in tmp_path.rglob("PWNED*") if p.name in {f"PWNED{i}" for i in range(1, 6)}]
     assert not made, "a path or argument was executed by the shell"
-    steps = [json.loads(line) for line in calls.read_text().splitlines()]
     assert len(steps) == 3
     for argv in steps:
         assert argv[argv.index("--run-dir") + 1] == str(final)
