@@ -87,6 +87,21 @@ def test_a_zygote_whose_imports_start_a_thread_refuses_and_the_launcher_starts_f
     assert "worker restart 0" in (run.run_dir / "logs" / "trainer" / "0.log").read_text()
 
 
+def test_what_an_import_prints_does_not_reach_the_launchers_channel(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "chatty_import.py").write_text("print('hello from an import')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    zygote = Zygote(["chatty_import"], env)
+    try:
+        rank = zygote.spawn(["--role", "nope"], env, tmp_path / "rank.log")  # argparse refuses the role: exit 2
+        assert rank.wait(60) == 2
+    finally:
+        zygote.close()
+    assert "hello from an import" in capfd.readouterr().err
+    assert "invalid choice: 'nope'" in (tmp_path / "rank.log").read_text()
+
+
 def _loaded(tmp_path: Path):
     import yaml
 

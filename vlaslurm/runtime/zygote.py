@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, TextIO
 
 POLL_S = 0.05  # how often the zygote reaps its ranks while no request comes
 READY = "ready"
@@ -101,7 +101,10 @@ class Zygote:
                 return None
             self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
-        return json.loads(line)
+        try:
+            return dict(json.loads(line))
+        except ValueError:
+            raise ZygoteError(f"the local launcher's zygote said {line[:200]!r}, not a JSON line") from None
 
 
 class ForkedRank:
@@ -113,11 +116,12 @@ class ForkedRank:
 
     def poll(self) -> Optional[int]:
         if self.returncode is None:
+            zygote_alive = self.zygote.alive()  # before reading: a dead zygote's last reports are all in the pipe
             self.zygote.pump()
             if self.pid in self.zygote.codes:
                 self.returncode = self.zygote.codes.pop(self.pid)
-            elif not self.zygote.alive() and not _exists(self.pid):
-                self.returncode = 1  # its exit went unreported: the zygote died first (the launcher says so)
+            elif not zygote_alive and not _exists(self.pid):
+                self.returncode = 1  # it ended after its zygote died, so nobody reported its code: a failure
         return self.returncode
 
     def wait(self, timeout: Optional[float] = None) -> int:
@@ -144,6 +148,7 @@ def _exists(pid: int) -> bool:
 
 
 _forked = False  # True in a process forked by a zygote (a rank, or a supervisor's worker)
+_protocol: Optional[TextIO] = None  # the zygote's reply channel (its stdout when started)
 
 
 def forked() -> bool:
@@ -205,8 +210,11 @@ class ChildProcess:
 
 def _child(request: dict) -> List[str]:
     """Make this freshly forked process the rank `request` asks for; returns the worker's argv."""
-    global _forked
+    global _forked, _protocol
     _forked = True
+    if _protocol is not None:  # the zygote's reply channel is not the rank's (empty: flushed after each reply)
+        _protocol.close()
+        _protocol = None
     os.setsid()
     devnull = os.open(os.devnull, os.O_RDONLY)
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -244,6 +252,9 @@ def _run_worker(argv: List[str]) -> int:
 
 def serve(modules: Sequence[str]) -> int:
     """The zygote: import `modules`, then fork a rank per request until stdin closes."""
+    global _protocol
+    _protocol = os.fdopen(os.dup(1), "w")  # the replies; what anything else prints goes to stderr
+    os.dup2(2, 1)
     for name in modules:
         if name.startswith(POLICY_ARG):
             from vlaslurm.models import POLICIES
@@ -287,8 +298,9 @@ def _reap() -> None:
 
 
 def _reply(message: dict) -> None:
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
+    assert _protocol is not None
+    _protocol.write(json.dumps(message) + "\n")
+    _protocol.flush()
 
 
 if __name__ == "__main__":
