@@ -16,10 +16,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 from runtime_helpers import member_pid, run_spec, synthetic_spec, wait_for
 
 from vlaslurm.runtime import local
 from vlaslurm.runtime.zygote import Zygote, ZygoteError
+from vlaslurm.spec import LoadedSpec, load_spec
 
 
 def test_a_local_runs_ranks_are_forked_from_its_zygote_and_it_ends_with_the_run(tmp_path: Path) -> None:
@@ -102,11 +104,7 @@ def test_what_an_import_prints_does_not_reach_the_launchers_channel(
     assert "invalid choice: 'nope'" in (tmp_path / "rank.log").read_text()
 
 
-def _loaded(tmp_path: Path):
-    import yaml
-
-    from vlaslurm.spec import load_spec
-
+def _loaded(tmp_path: Path) -> LoadedSpec:
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(synthetic_spec("sync")))
     return load_spec(path)

@@ -4,8 +4,9 @@ Slurm starts it as one srun step per role (rank = SLURM_PROCID); `vlaslurm run`
 starts it as local processes (rank = VLASLURM_RANK).
 
 With `resources.<role>.max_restarts` > 0 (by default for simulators, and for generators with filesystem
-weight sync: `spec.schema.default_max_restarts`) the process is a small supervisor (no torch) that runs the
-real worker as its child, forwards USR2 and TERM to it, and starts it again when it dies, up to max_restarts
+weight sync: `spec.schema.default_max_restarts`) the process is a small supervisor (no torch; in a local run
+it was forked with torch imported, and forks its worker likewise: `runtime.zygote`) that runs the real worker
+as its child, forwards USR2 and TERM to it, and starts it again when it dies, up to max_restarts
 times, after a back-off of 1 s, 2 s, 4 s, ... (doubling, at most 30 s: `backoff_s`); each restart is a line
 in the run's restart record (`RunDir.restarts`, shown by `vlaslurm status`) and a header in the rank's log.
 The child learns which incarnation it is from VLASLURM_WORKER_RESTART (see `signals.incarnation`).

@@ -215,14 +215,13 @@ def _child(request: dict) -> List[str]:
     if _protocol is not None:  # the zygote's reply channel is not the rank's (empty: flushed after each reply)
         _protocol.close()
         _protocol = None
+    from vlaslurm.runtime.worker import append_output_to
+
     os.setsid()
     devnull = os.open(os.devnull, os.O_RDONLY)
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(devnull, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
     os.close(devnull)
-    os.close(log)
+    append_output_to(Path(request["log"]))
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # what PYTHONUNBUFFERED gives
     os.environ.clear()
     os.environ.update(request["env"])
