@@ -51,9 +51,10 @@ def test_kl_penalty_is_to_the_frozen_initial_policy(batch):
     cfg = replace(algo_config("ppo", "action", minibatches=1), epochs=1, kl_coef=0.5)
     policy = tiny_policy(seed=3)
     learner = make_learner(cfg, policy, DataParallel(None, 0, 1), 7)
-    with torch.no_grad():  # the policy moves after the reference was taken
+    with torch.no_grad():  # what trains moves after the reference was taken (frozen embeddings never do)
         for p in policy.parameters():
-            p.add_(0.02 * torch.randn_like(p))
+            if p.requires_grad:
+                p.add_(0.02 * torch.randn_like(p))
     moved = {k: v.clone() for k, v in policy.state_dict().items()}
     ref = learner.step.reference_logprobs(batch)
     assert all(torch.equal(moved[k], v) for k, v in policy.state_dict().items())  # swapped back

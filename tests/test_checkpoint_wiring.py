@@ -18,7 +18,7 @@ from conftest import vlaslurm
 from tiny_checkpoints import write_tiny_adapter, write_tiny_release
 
 from vlaslurm.envs import make_env
-from vlaslurm.models import CheckpointError, check_checkpoint, env_action_transform, load_pretrained
+from vlaslurm.models import CheckpointError, build_policy, check_checkpoint, env_action_transform, load_pretrained
 from vlaslurm.models.checkpoint import checkpoint_folders
 from vlaslurm.models.prismatic.oft import ReleasedOpenVLAOFT
 from vlaslurm.models.prismatic.release import ReleasedOpenVLA, ReleaseError
@@ -45,10 +45,9 @@ def folders(tmp_path_factory) -> dict:
         "oft": write_tiny_release(root / "oft", oft=True),
         "adapter": write_tiny_adapter(release, root / "adapter"),
     }
-    lookalike = root / "lookalike"
-    lookalike.mkdir()
-    (lookalike / "config.json").write_text(json.dumps({"model_type": "vlaslurm-openvla"}))
-    out["lookalike"] = lookalike
+    # a random-init policy as a run's final_model/ saves it (config.json model_type vlaslurm-tiny-vla)
+    tiny = build_policy(openvla(None, action_chunk=1), action_dim=7, state_dim=0, image_size=16, num_cameras=1)
+    out["tiny"] = tiny.save_pretrained(root / "tiny")
     return out
 
 
@@ -103,7 +102,7 @@ def test_folders_of_releases_and_adapters(folders, tmp_path):
 
 def test_check_checkpoint_accepts_what_loads(folders):
     check_checkpoint(openvla(None))  # random init
-    check_checkpoint(openvla(folders["lookalike"]))  # this project's own look-alike: its loader checks it
+    check_checkpoint(openvla(folders["tiny"]), action_dim=7)  # a saved random init: its recorded type and shapes
     check_checkpoint(openvla(folders["release"]), action_dim=7)
     check_checkpoint(openvla(folders["multi"], unnorm_key=BRIDGE))
     check_checkpoint(oft(folders["oft"]), action_dim=7)
@@ -184,8 +183,8 @@ def test_libero_gripper_after_unnormalising(folders):
     assert random_init[:, 6].tolist() == [-1.0, 1.0]
 
 
-def test_identity_for_random_init_and_lookalikes(folders):
-    for cfg in (openvla(None), oft(None), openvla(folders["lookalike"]), SyntheticModelConfig(type="synthetic")):
+def test_identity_for_random_init_and_saved_tiny_policies(folders):
+    for cfg in (openvla(None), oft(None), openvla(folders["tiny"]), SyntheticModelConfig(type="synthetic")):
         out = env_action_transform(cfg)(NORMED)
         assert out.dtype == np.float32
         np.testing.assert_array_equal(out, NORMED)
@@ -236,7 +235,8 @@ def test_the_environment_gets_transformed_actions_and_records_keep_the_policys(f
 def test_simulator_config_carries_the_model(tmp_path):
     spec = tmp_path / "sim.yaml"
     spec.write_text(
-        "name: sim\nenv: {type: synthetic, num_envs: 8}\nmodel: {type: openvla, gripper: libero}\nalgo: {type: ppo}\n"
+        "name: sim\nenv: {type: synthetic, num_envs: 8, obs: {image_size: 16, cameras: [c]}}\n"
+        "model: {type: openvla, gripper: libero}\nalgo: {type: ppo}\n"
     )
     cfg = SimulatorConfig.from_spec(load_spec(spec).spec)
     assert isinstance(cfg.model, OpenVLAConfig) and cfg.model.gripper == "libero"
@@ -284,7 +284,7 @@ def test_plan_refuses_an_unnorm_key_the_checkpoint_lacks(folders, tmp_path):
     model = {"type": "openvla", "path": str(folders["multi"]), "unnorm_key": "bridge_orgi"}
     spec.write_text(
         yaml.safe_dump(
-            {"name": "key", "env": {"type": "synthetic", "num_envs": 8}, "model": model, "algo": {"type": "synthetic"}},
+            {"name": "key", "env": {"type": "toy", "num_envs": 8}, "model": model, "algo": {"type": "ppo"}},
             sort_keys=False,
         )
     )

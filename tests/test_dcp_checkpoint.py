@@ -62,7 +62,13 @@ def _save_on_two(tmp: str, run: Path, group) -> None:
 
 
 def _resume(tmp: str, run: Path, group, size: int) -> None:
-    policy, learner = _learner(group, seed=11)  # other initial parameters: the load must overwrite them all
+    # The run's seed (the frozen embeddings come from it, as in a resumed run), every trained parameter moved: the
+    # load must overwrite them all.
+    policy, learner = _learner(group, seed=3)
+    with torch.no_grad():
+        for parameter in policy.parameters():
+            if parameter.requires_grad:
+                parameter.add_(1.0)
     path = ckpt.resume_point(run, record=False, required=ckpt.SHARDED_REQUIRED)
     assert path is not None
     state = ckpt.load_sharded(path, policy, learner.opt, group)

@@ -171,8 +171,6 @@ def test_runtime_runs_libero_with_images(tmp_path):
                 "num_layers": 1,
                 "num_heads": 2,
                 "intermediate_size": 64,
-                "vocab_size": 128,
-                "max_instruction_tokens": 8,
                 "vision_channels": 8,
             },
         },

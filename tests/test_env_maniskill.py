@@ -205,8 +205,8 @@ def test_instructions_and_config_errors():
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_runtime_runs_pushcube_with_state(tmp_path, mode):
-    """`vlaslurm run` on PushCube: tiny OpenVLA-OFT, PPO, 2 instances, ends with a ledger."""
+def test_runtime_runs_pushcube(tmp_path, mode):
+    """`vlaslurm run` on PushCube: tiny OpenVLA-OFT (camera and state), PPO, 2 instances, ends with a ledger."""
     from runtime_helpers import run_spec
 
     spec = {
@@ -217,8 +217,8 @@ def test_runtime_runs_pushcube_with_state(tmp_path, mode):
             "num_envs": 2,
             "max_episode_steps": 12,
             "sim_backend": "cpu",
-            "obs_mode": "state",
-            "obs": {"image_size": 0, "cameras": [], "state": True},
+            "obs_mode": "rgb",
+            "obs": {"image_size": 32, "cameras": ["base_camera"], "state": True},
         },
         "model": {
             "type": "openvla-oft",
@@ -228,8 +228,6 @@ def test_runtime_runs_pushcube_with_state(tmp_path, mode):
                 "num_layers": 1,
                 "num_heads": 2,
                 "intermediate_size": 64,
-                "vocab_size": 128,
-                "max_instruction_tokens": 8,
             },
         },
         "algo": {"type": "ppo", "steps_per_update": 16, "epochs": 1, "minibatches": 1},

@@ -44,8 +44,8 @@ def test_success_per_task_and_failed_trajectories(tmp_path: Path, prob: float, e
     assert failed == (["a-0.npz", "a-1.npz", "b-0.npz", "b-1.npz"] if expected == 0.0 else [])
 
 
-def lookalike_checkpoint(folder: Path) -> None:
-    """A tiny random openvla-oft look-alike (chunks of 2, 2-dim actions, 16 px), saved with save_pretrained."""
+def tiny_checkpoint(folder: Path) -> None:
+    """A tiny random-init openvla-oft (chunks of 2, 2-dim actions, 16 px), saved as a run's final_model/ is."""
     from vlaslurm.models import build_policy
     from vlaslurm.spec.model_types import OpenVLAOFTConfig
 
@@ -60,7 +60,7 @@ def lookalike_checkpoint(folder: Path) -> None:
 
 
 def test_eval_loads_the_checkpoint_in_model_path(tmp_path: Path) -> None:
-    lookalike_checkpoint(tmp_path / "ckpt")
+    tiny_checkpoint(tmp_path / "ckpt")
     spec = {
         "name": "ev",
         "env": {"type": "toy", "num_envs": 2, "obs": {"image_size": 16, "cameras": ["top"]}},
@@ -148,9 +148,9 @@ def _failed_by_episode(directory: Path) -> dict:
 
 
 def tiny_checkpoint_spec(tmp_path: Path) -> Path:
-    """A toy-env spec whose model.path is a tiny openvla-oft saved with save_pretrained; 2 simulator ranks (one
+    """A toy-env spec whose model.path is a saved tiny openvla-oft; 2 simulator ranks (one
     environment each) share 1 generator."""
-    lookalike_checkpoint(tmp_path / "ckpt")
+    tiny_checkpoint(tmp_path / "ckpt")
     spec = {
         "name": "evjob",
         "env": {"type": "toy", "num_envs": 2, "max_episode_steps": 12, "obs": {"image_size": 16, "cameras": ["top"]}},

@@ -24,7 +24,8 @@ from test_checkpoint_resume import final, run_interrupted, toy_ppo_spec
 
 from vlaslurm.algos.batch import collate
 from vlaslurm.algos.learners import DataParallel, make_learner
-from vlaslurm.algos.sharding import ShardedDataParallel, local_numel, shard_policy
+from vlaslurm.algos.sharding import ShardedDataParallel, shard_policy
+from vlaslurm.models import trained_state
 from vlaslurm.rundir import read_info
 from vlaslurm.runtime import checkpoint as ckpt
 from vlaslurm.runtime.local import resume_local
@@ -96,11 +97,11 @@ def _rank(rank: int, tmp: str) -> None:
         make_learner(cfg, sharded, ShardedDataParallel(world, rank, WORLD), 7).update(batch, version=5)
         seen: list = []
         gathered = gather_full_state(sharded, BUCKET, keep=rank == 0, observe=seen.append)
-        shard_bytes = local_numel(sharded) * 4  # float32 shards
+        shard_bytes = _trained_shard_bytes(sharded)
         if rank == 0:
             send_command(Command(publish=True, checkpoint="/x/.tmp-v1"), dist.group.WORLD, 0)
             send_meta({"version": 1, "keepalive": True}, dist.group.WORLD, 0)
-            torch.save({"replicated": replicated.state_dict(), "gathered": gathered}, f"{tmp}/weights.pt")
+            torch.save({"replicated": trained_state(replicated), "gathered": gathered}, f"{tmp}/weights.pt")
         else:
             command = receive_command(dist.group.WORLD, 0)
             try:
@@ -112,6 +113,14 @@ def _rank(rank: int, tmp: str) -> None:
         torch.save({"buckets": seen, "shard": shard_bytes}, f"{tmp}/sizes-{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def _trained_shard_bytes(policy: torch.nn.Module) -> int:
+    """This rank's part of what trains (what a gather publishes; the frozen embeddings are not gathered)."""
+    from torch.distributed.tensor import DTensor
+
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in trained_state(policy).values()]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 @pytest.fixture(scope="module")
@@ -134,8 +143,9 @@ def test_gathered_weights_equal_a_replicated_trainer_bit_for_bit(ranked: Path):
 
 
 def test_a_gather_holds_one_bucket_beyond_the_shard(ranked: Path):
-    largest = max(t.numel() * t.element_size() for t in tiny_policy(seed=3).state_dict().values())
-    total = sum(t.numel() * t.element_size() for t in tiny_policy(seed=3).state_dict().values())
+    trained = trained_state(tiny_policy(seed=3)).values()
+    largest = max(t.numel() * t.element_size() for t in trained)
+    total = sum(t.numel() * t.element_size() for t in trained)
     for rank in range(WORLD):
         sizes = torch.load(ranked / f"sizes-{rank}.pt")
         assert len(sizes["buckets"]) > 3 and sum(sizes["buckets"]) == total

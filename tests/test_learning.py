@@ -4,14 +4,14 @@ process), with a fixed seed, in sync and in async mode:
 - PPO's success rises above 0.5 (going to the nearest object while ignoring the instruction gives 31-33%);
 - GRPO's rises to at least 3x the random policy's success, measured here on the same env settings.
 
-The bars are the issue's. The budgets (env steps) come from the spread over seeds 0-4 in
-benchmarks/learning_curves.py (results/learning_curves.md), whose settings these are, at the runs' own
-commits (PPO with a value per action, `ppo-action-value`: sync 3084a67, async 666d022; GRPO sync bc90fac, GRPO
-async f194bb5). PPO learns with a value per executed action (`algo.value_level: action`, RLinf-VLA's finding):
-it reaches the bar at ~2/3 of the env steps a value per chunk needs, so these tests cost a third less. Sync runs
-repeat under a seed: PPO sync was at 0.59-0.94 by 40k (seed 0: 0.91), GRPO sync at 0.17-0.53 by 50k. Async runs
-are not reproducible (arrival order sets batches and versions), so a fixed seed does not fix their outcome: PPO
-async was at 0.86-0.92 by 45k, GRPO async at 0.26-0.68 by 50k (the bar is 0.13).
+The bars are the issue's. The budgets (env steps) come from the spread over seeds in benchmarks/learning_curves.py,
+whose settings these are: first with the look-alike policies (results/learning_curves.md: PPO sync 0.59-0.94 by 40k,
+async 0.86-0.92 by 45k, GRPO sync 0.17-0.53 and async 0.26-0.68 by 50k, seeds 0-4), then with the tiny
+configuration of the release's classes that replaced them (results/learning_curves_tiny/, seeds 0-1: PPO sync 0.95 /
+0.61 by 40k, async 0.86 / 0.60 by 45k, GRPO sync 0.28 / 0.13 and async 0.37 / 0.21 by 50k; the GRPO bar is ~0.14).
+PPO learns with a value per executed action (`algo.value_level: action`, RLinf-VLA's finding): it reaches the bar
+at ~2/3 of the env steps a value per chunk needs. Sync runs repeat under a seed; async runs are not reproducible
+(arrival order sets batches and versions), so a fixed seed does not fix their outcome.
 Success is the mean over the run's last progress reports (each over the episodes since the one before).
 """
 

@@ -159,7 +159,7 @@ def test_the_stem_policy_reads_instruction_state_and_trains_end_to_end():
     stem = policy.vla.vision_backbone
     for grad in (stem.film1.weight.grad, stem.conv1.weight.grad, policy.action_head.model.fc2.weight.grad):
         assert grad is not None and grad.abs().sum() > 0  # FiLM gets language gradients through the prompt summary
-    assert policy.llm.get_input_embeddings().weight.grad is not None
+    assert policy.llm.get_input_embeddings().weight.grad is None  # frozen unless train_embeddings
 
 
 def test_bad_arguments_name_the_choice():

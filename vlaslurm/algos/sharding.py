@@ -7,7 +7,7 @@ losses are pre-scaled so that the sum over ranks is the minibatch mean (`learner
 instead of averaging. Every rank must run the same sequence of forwards and backwards: `ShardedDataParallel` splits
 each rank's share into the same number of micro-batches. The trainer role reaches it through runtime/sharded.py.
 With bf16 the blocks and the root compute in bf16 and the parts that compute in float32 by design (heads, the
-look-alikes' image stem) are float32 units; the master shards, Adam's state and the gradient reduction are float32.
+tiny random init's film stem) are float32 units; the master shards, Adam's state and the gradient reduction are float32.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-# Class names of the blocks that become their own FSDP unit: transformers' Llama layer, the towers' ViT block, the
-# look-alike policies' Llama layers (the same class), and π0's Gemma and SigLIP layers. Blocks under the module paths
+# Class names of the blocks that become their own FSDP unit: transformers' Llama layer, the towers' ViT block, and
+# π0's Gemma and SigLIP layers. Blocks under the module paths
 # a policy lists in `FSDP_GATHERED` stay gathered from forward to backward (`sharded_blocks`): FSDP2 otherwise frees
 # a unit after each call and gathers it again when a gradient reaches the call's output, which is too late for a
 # block called several times in one forward (π0's action expert, once per denoising step) or one whose outputs also
@@ -36,8 +36,8 @@ BLOCK_CLASSES = ("LlamaDecoderLayer", "Block", "GemmaDecoderLayer", "SiglipEncod
 # The policy methods the runtime calls in place of forward(): FSDP must gather the root's parameters for them.
 POLICY_METHODS = ("act", "evaluate")
 # With bf16, the parts that compute in float32 by design become float32 units, which cast their inputs to float32:
-# the value head (a bf16 one rounds returns of ~1e2 to 3 digits), the look-alikes' Gaussian mean head (it reads a
-# `.float()` feature) and image stem (float32 pixels), the OFT release's heads (kept in float32 in releases), and
+# the value head (a bf16 one rounds returns of ~1e2 to 3 digits), the film stem of a tiny random init (float32
+# pixels), the OFT release's heads (kept in float32 in releases), and
 # π0's noise head (Flow-Noise's learned std, float32 like its value head).
 FLOAT32_ATTRIBUTES = ("value_head", "action_head", "proprio_projector", "noise_head")
 FLOAT32_CLASSES = ("VisionStem", "L1RegressionActionHead", "ProprioProjector")

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 # "module:function" building a Policy, imported only when that type is used.
 POLICIES: Registry[Callable[..., Policy]] = Registry("model", "policy")
 POLICIES.lazy("synthetic", "vlaslurm.models.synthetic:build")
-POLICIES.lazy("openvla", "vlaslurm.models.openvla:build")
-POLICIES.lazy("openvla-oft", "vlaslurm.models.openvla_oft:build")
+POLICIES.lazy("openvla", "vlaslurm.models.vla.build:build")
+POLICIES.lazy("openvla-oft", "vlaslurm.models.vla.build:build")
 POLICIES.lazy("pi0", "vlaslurm.models.pi0.build:build")
 
 
@@ -44,8 +44,8 @@ def build_policy_for_shards(
 ) -> Tuple[nn.Module, Optional[ReleaseWeights]]:
     """As `build_policy`, for a trainer that shards the policy: a released checkpoint's VLA stays on the meta device
     (its heads are built for real) and the caller fills each rank's shards from the returned `ReleaseWeights`
-    (`algos.sharding.load_release_slices`), so that no rank ever holds the whole VLA. Other policies (look-alikes,
-    an adapter folder's base) are built whole, with None."""
+    (`algos.sharding.load_release_slices`), so that no rank ever holds the whole VLA. Other policies (a tiny random
+    init or saved tiny policy, an adapter folder's base) are built whole, with None."""
     if cfg.type in ("openvla", "openvla-oft"):
         from vlaslurm.models.vla.build import build_released, deferred_release
 

@@ -15,8 +15,9 @@ policy-space actions to environment actions.
   config.json has transformers' `model_type: pi0` (`check_checkpoint` checks such a folder's files for
   `model.type: pi0`).
 
-Folders of this project's own look-alikes (config.json `model_type` "vlaslurm-...") are not released checkpoints:
-the preflight leaves them to their own loader, and their transform is the identity. Heavy imports are lazy:
+A folder a tiny random-init policy saved (config.json `model_type` "vlaslurm-tiny-vla": its build arguments and
+weights) is not a released checkpoint: the preflight checks its recorded type and shapes, its transform is the
+identity (no dataset statistics). Heavy imports are lazy:
 `vlaslurm.models` is imported at startup, transformers / peft / safetensors only when a checkpoint is loaded.
 """
 
@@ -47,6 +48,9 @@ ActionTransform = Callable[[np.ndarray], np.ndarray]
 CONFIG_FILE = "config.json"
 RELEASE_MODEL_TYPE = "openvla"
 PI0_MODEL_TYPE = "pi0"  # transformers' PI0Config.model_type
+# A tiny random init this project saved (vla/tiny.py): config.json's model_type, its weights' one file
+TINY_MODEL_TYPE = "vlaslurm-tiny-vla"
+TINY_WEIGHTS_FILE = "model.safetensors"
 PI0_POLICY_FILE = "vlaslurm_pi0.json"  # beside a π0 this project saved: action size, sampler, critic, vision
 WEIGHTS_SUFFIX = ".safetensors"  # the shards, or the one file save_pretrained writes when everything fits
 TOKENIZER_FILE = "tokenizer.json"
@@ -105,7 +109,7 @@ def release_model_type(path: PathLike) -> Optional[str]:
 
 def is_released_checkpoint(path: PathLike) -> bool:
     """A release folder (config.json with model_type "openvla") or a peft adapter folder, as opposed to a folder
-    of this project's look-alikes (model_type "vlaslurm-...") or nothing."""
+    a tiny policy saved (model_type "vlaslurm-tiny-vla") or nothing."""
     return is_adapter_folder(path) or release_model_type(path) == RELEASE_MODEL_TYPE
 
 
@@ -182,7 +186,7 @@ def _adapter_base(adapter: Path, base_path: Optional[str]) -> Path:
 def check_checkpoint(
     cfg: ModelConfig, action_dim: Optional[int] = None, state: Optional[bool] = None, images: Optional[bool] = None
 ) -> None:
-    """Raise a `CheckpointError` if the runtime would refuse `cfg.path`; nothing for random init or look-alikes.
+    """Raise a `CheckpointError` if the runtime would refuse `cfg.path`; nothing for a random init.
 
     `action_dim`, when given (the environment's), must equal the statistics' action dimensions; `state` and
     `images` (whether the environment gives them) must be true for a proprio projector and for any VLA.
@@ -192,8 +196,8 @@ def check_checkpoint(
     if cfg.path is None or not isinstance(cfg, VLAConfig):
         return
     path = Path(cfg.path).expanduser()
-    if path.is_dir() and not is_released_checkpoint(path) and (path / CONFIG_FILE).is_file():
-        return  # a look-alike saved with save_pretrained: its loader checks it
+    if path.is_dir() and release_model_type(path) == TINY_MODEL_TYPE:
+        return _check_tiny_folder(path, cfg, action_dim)
     folders = checkpoint_folders(cfg)
     field = folders.release_field
     model_type = _read_json(folders.release / CONFIG_FILE, field).get("model_type")
@@ -229,6 +233,21 @@ def check_checkpoint(
             f"the statistics of {key!r} ({stats.source}) have {dim} action dimensions but the environment takes "
             f"{action_dim}; pick the dataset of this robot, or a checkpoint trained for it",
         )
+
+
+def _check_tiny_folder(folder: Path, cfg: VLAConfig, action_dim: Optional[int]) -> None:
+    """A tiny policy's saved folder (vla/tiny.py): its recorded type, chunk and action size against the spec's."""
+    recipe = _read_json(folder / CONFIG_FILE, "model.path").get("build_tiny")
+    if not isinstance(recipe, dict):
+        raise CheckpointError("model.path", f"{folder / CONFIG_FILE} records no build_tiny arguments")
+    if not (folder / TINY_WEIGHTS_FILE).is_file():
+        raise CheckpointError("model.path", f"folder {str(folder)!r} holds no {TINY_WEIGHTS_FILE}")
+    checks = [("model.type", "kind", cfg.type), ("model.action_chunk", "action_chunk", cfg.action_chunk)]
+    if action_dim is not None:
+        checks.append(("model.action_dim", "action_dim", action_dim))
+    for field, key, wanted in checks:
+        if recipe.get(key) != wanted:
+            raise CheckpointError(field, f"is {wanted!r} but the policy in {folder} was saved with {recipe.get(key)!r}")
 
 
 def _check_pi0_folder(folder: Path, vision: str) -> None:

@@ -36,16 +36,14 @@ class ModelConfig:
 
 @dataclass
 class BackboneConfig:
-    """Size of the causal language model that reads instruction and image tokens."""
+    """Size of a random-init (model.path: null) VLA's Llama, which keeps the release's vocabulary and prompt."""
 
     hidden_size: int = doc(128, "Width of the language model.")
     num_layers: int = doc(2, "Transformer layers.")
     num_heads: int = doc(4, "Attention heads.")
     intermediate_size: int = doc(256, "MLP width.")
-    vocab_size: int = doc(512, "Tokenizer vocabulary size (hashed words).")
-    max_instruction_tokens: int = doc(16, "Instruction tokens kept (padded or cut).")
-    vision_channels: int = doc(32, "Channels of the convolutional vision stem.")
-    num_keypoints: int = doc(16, "Spatial-softmax keypoints pooled from the vision stem.")
+    vision_channels: int = doc(32, "Channels of the film-stem vision backbone's convolutions.")
+    num_keypoints: int = doc(16, "Spatial-softmax keypoints pooled by the film-stem vision backbone.")
 
 
 @dataclass
@@ -88,33 +86,36 @@ class VLAConfig(ModelConfig):
     lora: Optional[LoraSpec] = field(
         default=None, metadata={"doc": "LoRA adapters (rank, alpha, dropout, target_modules); None trains in full."}
     )
+    # A random init (path: null): a tiny configuration of the release's classes (vlaslurm/models/vla/tiny.py)
+    backbone: BackboneConfig = field(
+        default_factory=BackboneConfig, metadata={"doc": "Size of the random init's Llama (path: null only)."}
+    )
+    vision: Literal["film-stem", "dinosiglip"] = doc(
+        "film-stem",
+        "Random init's vision backbone (path: null only): film-stem (a FiLM-conditioned conv stem, one token per "
+        "camera; learns the toy task fast) or dinosiglip (the release's fused towers at tiny size, frames at 224).",
+    )
+    init_seed: int = doc(0, "Seed of the random initialisation when path is None (equal on every rank).")
 
 
 @register("model", "openvla")
 @dataclass
 class OpenVLAConfig(VLAConfig):
-    """OpenVLA-style policy: discrete action tokens (256 bins) decoded autoregressively."""
+    """OpenVLA: discrete action tokens (the release's 256 bins) decoded autoregressively."""
 
-    backbone: BackboneConfig = field(default_factory=BackboneConfig, metadata={"doc": "Backbone size."})
-    n_bins: int = doc(256, "Bins per action dimension, mapped onto the last vocabulary tokens.")
-    action_low: float = doc(-1.0, "Lower bound of the action range quantised into bins.")
-    action_high: float = doc(1.0, "Upper bound of the action range quantised into bins.")
     temperature: float = doc(1.0, "Sampling temperature for action tokens during rollouts.")
-    init_seed: int = doc(0, "Seed of the random initialisation when path is None (equal on every rank).")
 
 
 @register("model", "openvla-oft")
 @dataclass
 class OpenVLAOFTConfig(VLAConfig):
-    """OpenVLA-OFT-style policy: a chunk of continuous actions decoded in parallel, Gaussian head."""
+    """OpenVLA-OFT: an action chunk decoded in parallel, by the L1 head (Gaussian around it) or action tokens."""
 
-    backbone: BackboneConfig = field(default_factory=BackboneConfig, metadata={"doc": "Backbone size."})
     std: Literal["learned", "scheduled"] = doc(
         "learned", "Action std: learned (a state-independent parameter) or scheduled."
     )
     init_std: float = doc(0.5, "Initial action standard deviation.")
     final_std: float = doc(0.1, "Final std when std is 'scheduled' (linear over the run).")
-    init_seed: int = doc(0, "Seed of the random initialisation when path is None (equal on every rank).")
     head: Literal["l1", "discrete"] = doc(
         "l1", "Action head: l1 (the release's L1-regression MLP) or discrete (the LLM's action tokens)."
     )

@@ -208,6 +208,11 @@ def _check_model(loaded: LoadedSpec) -> None:
         )
     if not isinstance(model, VLAConfig):
         return
+    obs = loaded.spec.env.obs
+    if obs.image_size <= 0 or not obs.cameras:
+        field = "env.obs.image_size" if obs.image_size <= 0 else "env.obs.cameras"
+        raise loaded.error(field, f"model.type {model.type} reads camera images: set env.obs.image_size and cameras")
+    _check_random_init(loaded, model)
     if model.base_path is not None and model.path is None:
         raise loaded.error(
             "model.base_path",
@@ -216,6 +221,23 @@ def _check_model(loaded: LoadedSpec) -> None:
         )
     if model.lora is not None:
         _check_lora(loaded, model)
+
+
+def _check_random_init(loaded: LoadedSpec, model: VLAConfig) -> None:
+    """What vla/tiny.py builds for path: null (checked whatever the path: a spec that drops its path must load)."""
+    _positive(loaded, [f"model.backbone.{key}" for key in ("hidden_size", "num_layers", "num_heads")])
+    _positive(loaded, ["model.backbone.intermediate_size", "model.backbone.vision_channels"])
+    _positive(loaded, ["model.backbone.num_keypoints"])
+    backbone = model.backbone
+    if backbone.hidden_size % backbone.num_heads:
+        raise loaded.error(
+            "model.backbone.hidden_size",
+            f"must be divisible by model.backbone.num_heads ({backbone.num_heads}), got {backbone.hidden_size}",
+        )
+    for key in ("init_std", "final_std"):  # openvla-oft's Gaussian
+        value = getattr(model, key, None)
+        if value is not None and not value > 0:
+            raise loaded.error(f"model.{key}", f"must be greater than 0, got {value}")
 
 
 def _check_pi0(loaded: LoadedSpec) -> None:
@@ -550,7 +572,7 @@ def check_model_path(loaded: LoadedSpec) -> None:
         raise loaded.error(
             "model.path",
             f"folder {path!r} does not exist (relative to {os.getcwd()}); "
-            "set it to a from_pretrained folder, or remove it for a random init",
+            "set it to a checkpoint folder, or remove it for a random init",
         )
 
 

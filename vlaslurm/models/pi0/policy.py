@@ -52,7 +52,7 @@ from vlaslurm.models.pi0.inputs import (
 ValueFrom = Literal["expert", "prefix"]
 Vision = Literal["siglip", "stem"]
 FROZEN_PREFIX = "pi0.model.vlm."  # PaliGemma under `train_expert_only`
-STEM_CHANNELS, STEM_KEYPOINTS = 32, 16  # the look-alike policies' stem size, which learned the toy task
+STEM_CHANNELS, STEM_KEYPOINTS = 32, 16  # the tiny VLAs' film-stem size, which learns the toy task
 HEADS_FILE = "vlaslurm_heads.safetensors"  # value (and noise) heads, beside the release's weights
 POLICY_FILE = PI0_POLICY_FILE  # a saved policy's action size, sampler, critic, vision and text encoder
 

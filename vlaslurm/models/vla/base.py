@@ -8,10 +8,11 @@ Details: docs/models.md
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Protocol, Tuple, Union, cast
+from typing import Any, Dict, FrozenSet, List, Optional, Protocol, Tuple, Union, cast
 
 import torch
 from safetensors.torch import save_file
@@ -19,6 +20,7 @@ from torch import nn
 from transformers import LlamaForCausalLM
 
 from vlaslurm.models.base import PolicyInput
+from vlaslurm.models.checkpoint import TINY_MODEL_TYPE, TINY_WEIGHTS_FILE
 from vlaslurm.models.prismatic.actions import ArrayStats, Normalization, normalize_proprio_torch
 from vlaslurm.models.prismatic.lora import (
     adapter_state_dict,
@@ -117,6 +119,10 @@ class VLAPolicy(nn.Module):
         self.images = images
         self.proprio_stats, self.normalization = proprio_stats, normalization
         self.source: Optional[Path] = None  # the release folder it was loaded from (save_pretrained copies its files)
+        # A tiny random init (vla/tiny.py): its build arguments, what save_pretrained records instead of a release's
+        # files, and the state-dict keys it never trains (rebuilt from its seed, so neither checkpointed nor sent).
+        self.recipe: Optional[Dict[str, Any]] = None
+        self.frozen: FrozenSet[str] = frozenset()
         self.publish_merged = False  # model.lora.publish: merged (set by the builder)
         self.served_merged: Optional[List[str]] = None  # a generator's copy that takes merged publications
 
@@ -189,16 +195,18 @@ class VLAPolicy(nn.Module):
             merged = set(self.served_merged)
             return {key: t for key, t in state.items() if not key.startswith("vla.") or key in merged}
         if not self.has_adapters():
-            return state
+            return {key: t for key, t in state.items() if key not in self.frozen}
         return {key: t for key, t in state.items() if not key.startswith("vla.") or ".lora_" in key}
 
     def save_pretrained(self, folder: Union[str, Path]) -> Path:
         """A release folder of the trained policy, adapters merged, that `model.path` (and `vlaslurm eval`) loads:
         the source release's tokenizer, statistics and configs, the merged weights, OFT's head files, and the
         value head in `value_head.safetensors` (no release reads it; a later run of this project may)."""
-        if self.source is None:
-            raise ValueError("this policy was not loaded from a release folder; it has no files to save beside it")
         out = Path(folder)
+        if self.source is None:
+            if self.recipe is None:
+                raise ValueError("this policy was neither loaded from a release folder nor built by build_tiny")
+            return self._save_recipe(out)
         out.mkdir(parents=True, exist_ok=True)
         for path in self.source.iterdir():
             if path.is_file() and path.name in RELEASE_METADATA_FILES:
@@ -209,6 +217,17 @@ class VLAPolicy(nn.Module):
             {k: t.detach().cpu().contiguous() for k, t in self.value_head.state_dict().items()},
             str(out / VALUE_HEAD_FILE),
         )
+        return out
+
+    def _save_recipe(self, out: Path) -> Path:
+        """A tiny random init's folder: config.json (`model_type` TINY_MODEL_TYPE, the build arguments) and every
+        tensor, adapters merged, in model.safetensors; vla/tiny.py `load_tiny` reads it back."""
+        out.mkdir(parents=True, exist_ok=True)
+        state = {key: t for key, t in self.state_dict().items() if not key.startswith("vla.")}
+        state.update({"vla." + key: t for key, t in self.merged_state_dict().items()})
+        save_file({k: t.detach().cpu().contiguous() for k, t in state.items()}, str(out / TINY_WEIGHTS_FILE))
+        config = {"model_type": TINY_MODEL_TYPE, "build_tiny": self.recipe}
+        (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         return out
 
     def save_heads(self, folder: Path) -> None:

@@ -1,7 +1,9 @@
-"""Build the RL policy of a released checkpoint (or a LoRA adapter over one) from the spec's model section.
+"""Build the RL policy of `model.type` openvla / openvla-oft from the spec's model section (`build`, the registry's
+entry): a released checkpoint (or a LoRA adapter over one), a tiny policy this project saved, or a tiny random
+init (vla/tiny.py). All three are the same policy classes.
 
-The VLA is built on the meta device and filled from the folder's shards strictly (prismatic/release.py), in the
-spec's precision; LoRA adapters go in place (prismatic/lora.py), so the release's parameter names stay. A sharded
+A release's VLA is built on the meta device and filled from the folder's shards strictly (prismatic/release.py), in
+the spec's precision; LoRA adapters go in place (prismatic/lora.py), so the release's parameter names stay. A sharded
 trainer leaves the VLA on the meta device (`ReleaseWeights`) and reads each rank's slices itself.
 """
 
@@ -12,7 +14,9 @@ from pathlib import Path
 from typing import Optional, Union
 
 import torch
+from torch import nn
 
+from vlaslurm.models.checkpoint import CheckpointError
 from vlaslurm.models.prismatic.actions import DatasetStats
 from vlaslurm.models.prismatic.lora import LoraSettings, apply_lora, load_adapter
 from vlaslurm.models.prismatic.oft import (
@@ -37,6 +41,7 @@ from vlaslurm.models.vla.base import PolicyShape, ReleaseImages, VLAPolicy
 from vlaslurm.models.vla.bins import CentreCategorical
 from vlaslurm.models.vla.oft import OFTChunkPolicy
 from vlaslurm.models.vla.openvla import OpenVLATokenPolicy
+from vlaslurm.models.vla.tiny import build_tiny, load_tiny
 from vlaslurm.spec.model_types import OpenVLAConfig, OpenVLAOFTConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -52,6 +57,53 @@ class ReleaseWeights:
     folder: Path
     prefix: str
     dtype: torch.dtype
+
+
+def build(cfg: VLAConfig, action_dim: int, state_dim: int, image_size: int, num_cameras: int) -> VLAPolicy:
+    """The policy of `cfg`: `cfg.path` a release or adapter folder (`build_released`), a folder a tiny policy's
+    `save_pretrained` wrote, or None for a seeded tiny random init; LoRA from `model.lora` in every case."""
+    from vlaslurm.models.checkpoint import is_released_checkpoint
+
+    if cfg.path and is_released_checkpoint(cfg.path):
+        return build_released(cfg, action_dim, state_dim, image_size, num_cameras)
+    if cfg.path:
+        policy = load_tiny(Path(cfg.path).expanduser())
+        _check_fits(policy, cfg, action_dim, state_dim)
+    else:
+        policy = build_tiny(
+            cfg.type,  # type: ignore[arg-type]  # the registry maps only these two types here
+            cfg.backbone,
+            action_chunk=cfg.action_chunk,
+            action_dim=action_dim,
+            state_dim=state_dim,
+            image_size=image_size,
+            num_cameras=num_cameras,
+            seed=cfg.init_seed,
+            vision=cfg.vision,
+            temperature=cfg.temperature,
+            **_oft_fields(cfg),
+        )
+    for part in (policy.vla, getattr(policy, "action_head", None), policy.proprio_projector):
+        if part is not None:  # in the spec's precision, as a release's VLA and head files load (not the critic)
+            part.to(DTYPES[cfg.precision])
+    _add_adapters(policy.vla, cfg, None)
+    return policy
+
+
+def _oft_fields(cfg: VLAConfig) -> dict:
+    if not isinstance(cfg, OpenVLAOFTConfig):
+        return {}
+    return dict(head=cfg.head, std=cfg.std, init_std=cfg.init_std, final_std=cfg.final_std)
+
+
+def _check_fits(policy: VLAPolicy, cfg: VLAConfig, action_dim: int, state_dim: int) -> None:
+    """A saved tiny policy must be of the spec's type and fit the environment and the spec's chunk."""
+    recipe = policy.recipe or {}
+    expected = {"kind": cfg.type, "action_chunk": cfg.action_chunk, "action_dim": action_dim, "state_dim": state_dim}
+    wrong = {key: (recipe.get(key), want) for key, want in expected.items() if recipe.get(key) != want}
+    if wrong:
+        details = ", ".join(f"{key}: saved {got}, needed {want}" for key, (got, want) in wrong.items())
+        raise CheckpointError("model.path", f"the policy in {cfg.path} does not fit this run ({details})")
 
 
 def deferred_release(cfg: VLAConfig) -> Optional[ReleaseWeights]:
@@ -101,7 +153,7 @@ def build_released(
     return policy
 
 
-def _add_adapters(vla: PrismaticVLA, cfg: VLAConfig, adapter: Optional[Path]) -> None:
+def _add_adapters(vla: nn.Module, cfg: VLAConfig, adapter: Optional[Path]) -> None:
     """`model.lora` adapters, then the adapter folder's weights (which must then have the same settings)."""
     if cfg.lora is not None:
         apply_lora(vla, LoraSettings.of(cfg.lora))

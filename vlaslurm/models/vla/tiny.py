@@ -13,19 +13,25 @@ so the quickstart, the tests and a 7B run take one code path. Two vision backbon
 
 Words are hashed (`HashedTextEncoder`), so no tokenizer file is read; the ids avoid every id the Llama-2 layout
 fixes. The OFT heads are the release's (`L1RegressionActionHead`, `ProprioProjector`); proprio is read raw (no
-dataset statistics at random init).
+dataset statistics at random init). The 32064-row token embeddings stay frozen by default (random rows already
+tell words apart; training them densely cost ~40% of each small update), and so does the LM head where no head
+reads it (OFT's L1 head): such tensors are rebuilt from the seed, so checkpoints and publications leave them out.
+`save_pretrained` writes the build arguments and the weights; `load_tiny` reads them back.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import zlib
+from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Tuple, cast
 
 import torch
 from torch import nn
 from transformers import LlamaForCausalLM
 
+from vlaslurm.models.checkpoint import CONFIG_FILE, TINY_MODEL_TYPE, TINY_WEIGHTS_FILE
 from vlaslurm.models.common import VisionStem, init_module
 from vlaslurm.models.prismatic.actions import ActionBins
 from vlaslurm.models.prismatic.oft import L1RegressionActionHead, ProprioProjector
@@ -166,6 +172,7 @@ def build_tiny(
     projector: Projector = "identity",
     head_init_std: Optional[float] = 0.01,
     film_text: Literal["prompt", "instruction"] = "instruction",
+    train_embeddings: bool = False,
 ) -> VLAPolicy:
     """A seeded random-init policy of `kind` (the caller's RNG state is left as it was).
 
@@ -175,7 +182,63 @@ def build_tiny(
     `film_text` (film-stem only): what the stem's FiLM reads, the mean embedding of the instruction's words
     ('instruction') or of the whole prompt ('prompt': the template's 11 fixed tokens then dilute the instruction;
     on the quickstart task it reached 50% success 15-17k env steps later, benchmarks/results/tiny_vla_learning.md).
+    `train_embeddings`: train the token embeddings too (and an LM head no head reads), else they stay frozen.
     """
+    recipe = {k: v for k, v in locals().items() if k != "backbone"}  # the arguments, as save_pretrained records them
+    recipe["backbone"] = dataclasses.asdict(backbone)
+    policy = _build(**{k: v for k, v in recipe.items() if k != "train_embeddings"})
+    policy.recipe = recipe
+    _freeze(policy, train_embeddings)
+    return policy
+
+
+def _freeze(policy: VLAPolicy, train_embeddings: bool) -> None:
+    frozen: List[torch.Tensor] = []
+    if not train_embeddings:
+        frozen.append(cast(nn.Embedding, policy.llm.get_input_embeddings()).weight)
+        if isinstance(policy, OFTChunkPolicy) and policy.head == "l1":
+            frozen.append(policy.llm.lm_head.weight)
+    for parameter in frozen:
+        parameter.requires_grad_(False)
+    ids = {id(p) for p in frozen}
+    policy.frozen = frozenset(name for name, p in policy.named_parameters() if id(p) in ids)
+
+
+def load_tiny(folder: Path) -> VLAPolicy:
+    """The policy `save_pretrained` wrote for a tiny random init: rebuilt from its arguments, weights loaded
+    strictly."""
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    if config.get("model_type") != TINY_MODEL_TYPE or not isinstance(config.get("build_tiny"), dict):
+        raise ValueError(f"{folder / CONFIG_FILE} is not a tiny policy's (model_type {TINY_MODEL_TYPE!r})")
+    recipe = dict(config["build_tiny"])
+    policy = build_tiny(recipe.pop("kind"), BackboneConfig(**recipe.pop("backbone")), **recipe)
+    policy.load_state_dict(load_file(str(folder / TINY_WEIGHTS_FILE)), strict=True)
+    return policy
+
+
+def _build(
+    kind: Kind,
+    backbone: Dict[str, Any],
+    *,
+    action_chunk: int,
+    action_dim: int,
+    state_dim: int,
+    image_size: int,
+    num_cameras: int,
+    seed: int,
+    vision: Vision,
+    head: Literal["l1", "discrete"],
+    std: Literal["learned", "scheduled"],
+    init_std: float,
+    final_std: float,
+    temperature: float,
+    projector: Projector,
+    head_init_std: Optional[float],
+    film_text: Literal["prompt", "instruction"],
+) -> VLAPolicy:
+    backbone_config = BackboneConfig(**backbone)
     if num_cameras <= 0 or image_size <= 0:
         raise ValueError("a VLA reads camera images: set env.obs.image_size and env.obs.cameras")
     if kind not in ("openvla", "openvla-oft"):
@@ -188,17 +251,17 @@ def build_tiny(
         torch.manual_seed(seed)
         vla: nn.Module
         if vision == "film-stem":
-            vla = StemVLA(backbone, projector)
+            vla = StemVLA(backbone_config, projector)
             skips = template_skips(HashedTextEncoder()) if film_text == "instruction" else (0, 0)
             images: Any = StemImages(*skips)
         else:
-            config = dataclasses.replace(tiny_release_config(), text_config=text_config(backbone))
+            config = dataclasses.replace(tiny_release_config(), text_config=text_config(backbone_config))
             vla = build_vla(config, device="cpu")
             images = ReleaseImages(ImageTransform())
         common: Dict[str, Any] = dict(tokenizer=HashedTextEncoder(), images=images, shape=shape)
         if kind == "openvla":
             return OpenVLATokenPolicy(vla, categorical=categorical, **common)
-        hidden = backbone.hidden_size
+        hidden = backbone_config.hidden_size
         action_head = L1RegressionActionHead(hidden, action_dim)
         if head_init_std is not None:
             nn.init.normal_(action_head.model.fc2.weight, std=head_init_std)
