@@ -113,7 +113,7 @@ def test_a_saved_policy_that_does_not_fit_names_the_field(kind, tmp_path):
     with pytest.raises(CheckpointError, match="model.type: is '.*' but the policy .* saved with"):
         check_checkpoint(model_cfg(other, path=str(tmp_path)))
     (tmp_path / "model.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="holds no model.safetensors"):
+    with pytest.raises(CheckpointError, match=r"holds no weights \(\*.safetensors\)"):
         check_checkpoint(model_cfg(kind, path=str(tmp_path)))
 
 

@@ -48,9 +48,8 @@ ActionTransform = Callable[[np.ndarray], np.ndarray]
 CONFIG_FILE = "config.json"
 RELEASE_MODEL_TYPE = "openvla"
 PI0_MODEL_TYPE = "pi0"  # transformers' PI0Config.model_type
-# A tiny random init this project saved (vla/tiny.py): config.json's model_type, its weights' one file
+# A tiny random init this project saved (vla/tiny.py): config.json's model_type (its weights: one *.safetensors)
 TINY_MODEL_TYPE = "vlaslurm-tiny-vla"
-TINY_WEIGHTS_FILE = "model.safetensors"
 PI0_POLICY_FILE = "vlaslurm_pi0.json"  # beside a π0 this project saved: action size, sampler, critic, vision
 WEIGHTS_SUFFIX = ".safetensors"  # the shards, or the one file save_pretrained writes when everything fits
 TOKENIZER_FILE = "tokenizer.json"
@@ -240,8 +239,8 @@ def _check_tiny_folder(folder: Path, cfg: VLAConfig, action_dim: Optional[int]) 
     recipe = _read_json(folder / CONFIG_FILE, "model.path").get("build_tiny")
     if not isinstance(recipe, dict):
         raise CheckpointError("model.path", f"{folder / CONFIG_FILE} records no build_tiny arguments")
-    if not (folder / TINY_WEIGHTS_FILE).is_file():
-        raise CheckpointError("model.path", f"folder {str(folder)!r} holds no {TINY_WEIGHTS_FILE}")
+    if not any(p.is_file() for p in folder.glob(f"*{WEIGHTS_SUFFIX}")):
+        raise CheckpointError("model.path", f"folder {str(folder)!r} holds no weights (*{WEIGHTS_SUFFIX})")
     checks = [("model.type", "kind", cfg.type), ("model.action_chunk", "action_chunk", cfg.action_chunk)]
     if action_dim is not None:
         checks.append(("model.action_dim", "action_dim", action_dim))

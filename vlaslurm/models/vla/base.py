@@ -20,7 +20,7 @@ from torch import nn
 from transformers import LlamaForCausalLM
 
 from vlaslurm.models.base import PolicyInput
-from vlaslurm.models.checkpoint import TINY_MODEL_TYPE, TINY_WEIGHTS_FILE
+from vlaslurm.models.checkpoint import TINY_MODEL_TYPE
 from vlaslurm.models.prismatic.actions import ArrayStats, Normalization, normalize_proprio_torch
 from vlaslurm.models.prismatic.lora import (
     adapter_state_dict,
@@ -38,6 +38,7 @@ from vlaslurm.models.prismatic.release import (
     DEFAULT_MAX_SHARD_SIZE,
     GENERATION_CONFIG_FILE,
     PREPROCESSOR_FILE,
+    SINGLE_WEIGHTS_FILE,
     TOKENIZER_CONFIG_FILES,
     TOKENIZER_FILE,
     save_weights,
@@ -221,11 +222,11 @@ class VLAPolicy(nn.Module):
 
     def _save_recipe(self, out: Path) -> Path:
         """A tiny random init's folder: config.json (`model_type` TINY_MODEL_TYPE, the build arguments) and every
-        tensor, adapters merged, in model.safetensors; vla/tiny.py `load_tiny` reads it back."""
+        tensor, adapters merged, in one safetensors file; vla/tiny.py `load_tiny` reads it back."""
         out.mkdir(parents=True, exist_ok=True)
         state = {key: t for key, t in self.state_dict().items() if not key.startswith("vla.")}
         state.update({"vla." + key: t for key, t in self.merged_state_dict().items()})
-        save_file({k: t.detach().cpu().contiguous() for k, t in state.items()}, str(out / TINY_WEIGHTS_FILE))
+        save_file({k: t.detach().cpu().contiguous() for k, t in state.items()}, str(out / SINGLE_WEIGHTS_FILE))
         config = {"model_type": TINY_MODEL_TYPE, "build_tiny": self.recipe}
         (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         return out

@@ -31,12 +31,18 @@ import torch
 from torch import nn
 from transformers import LlamaForCausalLM
 
-from vlaslurm.models.checkpoint import CONFIG_FILE, TINY_MODEL_TYPE, TINY_WEIGHTS_FILE
+from vlaslurm.models.checkpoint import CONFIG_FILE, TINY_MODEL_TYPE
 from vlaslurm.models.common import VisionStem, init_module
 from vlaslurm.models.prismatic.actions import ActionBins
 from vlaslurm.models.prismatic.oft import L1RegressionActionHead, ProprioProjector
 from vlaslurm.models.prismatic.preprocess import BOS_ID, EMPTY_TOKEN_ID, ImageTransform, prompt_token_ids
-from vlaslurm.models.prismatic.release import PAD_TOKEN_ID, TINY_TEXT_CONFIG, build_vla, tiny_release_config
+from vlaslurm.models.prismatic.release import (
+    PAD_TOKEN_ID,
+    SINGLE_WEIGHTS_FILE,
+    TINY_TEXT_CONFIG,
+    build_vla,
+    tiny_release_config,
+)
 from vlaslurm.models.prismatic.vla import llama_config
 from vlaslurm.models.vla.base import PolicyShape, ReleaseImages, VLAPolicy
 from vlaslurm.models.vla.bins import CentreCategorical
@@ -214,7 +220,7 @@ def load_tiny(folder: Path) -> VLAPolicy:
         raise ValueError(f"{folder / CONFIG_FILE} is not a tiny policy's (model_type {TINY_MODEL_TYPE!r})")
     recipe = dict(config["build_tiny"])
     policy = build_tiny(recipe.pop("kind"), BackboneConfig(**recipe.pop("backbone")), **recipe)
-    policy.load_state_dict(load_file(str(folder / TINY_WEIGHTS_FILE)), strict=True)
+    policy.load_state_dict(load_file(str(folder / SINGLE_WEIGHTS_FILE)), strict=True)
     return policy
 
 
