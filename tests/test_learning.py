@@ -32,6 +32,7 @@ pytestmark = pytest.mark.slow
 LAST_REPORTS = 3
 PPO_STEPS = {"sync": 40_000, "async": 45_000}
 GRPO_STEPS = {"sync": 50_000, "async": 50_000}
+LORA_STEPS = 30_000
 
 
 def toy_spec(algo: dict, mode: str, total_env_steps: int) -> dict:
@@ -105,6 +106,15 @@ def run_toy(tmp_path: Path, algo: dict, mode: str, total_env_steps: int, overrid
 def test_ppo_learns_to_use_the_instruction(tmp_path: Path, mode: str):
     success = run_toy(tmp_path, PPO, mode, total_env_steps=PPO_STEPS[mode])
     assert success > 0.5, f"PPO ({mode}) success {success:.2f} after {PPO_STEPS[mode]} env steps"
+
+
+def test_ppo_with_lora_learns_to_use_the_instruction(tmp_path: Path):
+    """`model.lora` over the random init (the adapters, the heads and the random vision stem train) at lr 1e-3:
+    the test's measure (the last 3 reports) by 30k was 0.92 (seed 0) and 0.81 (seed 1; 0.43 by 26k); with the stem
+    frozen at random, LoRA stayed at 0.11-0.16 by 60k."""
+    overrides = ["model.lora.rank=16", "model.lora.alpha=16", "algo.lr=1e-3"]
+    success = run_toy(tmp_path, PPO, "sync", total_env_steps=LORA_STEPS, overrides=overrides)
+    assert success > 0.5, f"PPO with LoRA success {success:.2f} after {LORA_STEPS} env steps"
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

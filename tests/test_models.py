@@ -182,12 +182,16 @@ def test_openvla_actions_are_the_release_bin_centres(batch):
 
 
 def test_lora_over_a_random_init_trains_adapters_and_saves_merged(batch, tmp_path):
-    """`model.lora` on `path: null`: only adapters and heads train; the saved folder holds the merged weights and
-    loads back (without LoRA) to the same actions."""
+    """`model.lora` on `path: null`: the adapters, the heads and the random vision stem (nothing pretrained to keep)
+    train; checkpoints and publications carry exactly those; the saved folder holds the merged weights and loads
+    back (without LoRA) to the same actions."""
     policy = build("openvla-oft", lora=LoraSpec(rank=4))
     trained = {name for name, p in policy.named_parameters() if p.requires_grad}
-    assert trained and all(".lora_" in name or not name.startswith("vla.") for name in trained)
+    stem = {name for name in trained if name.startswith("vla.vision_backbone.")}
+    assert stem and policy.full_trained == stem
+    assert all(".lora_" in name or not name.startswith("vla.") for name in trained - stem)
     assert any(".lora_" in name for name in trained) and set(trained_state(policy)) >= trained
+    assert not any(name.startswith("vla.language_model.") and ".lora_" not in name for name in trained_state(policy))
     with torch.no_grad():  # adapters that change the output (B starts at zero)
         for name, p in policy.named_parameters():
             if ".lora_B" in name:

@@ -124,6 +124,8 @@ class VLAPolicy(nn.Module):
         # files, and the state-dict keys it never trains (rebuilt from its seed, so neither checkpointed nor sent).
         self.recipe: Optional[Dict[str, Any]] = None
         self.frozen: FrozenSet[str] = frozenset()
+        # Under LoRA, VLA parameters that train in full beside the adapters (a random init's vision backbone).
+        self.full_trained: FrozenSet[str] = frozenset()
         self.publish_merged = False  # model.lora.publish: merged (set by the builder)
         self.served_merged: Optional[List[str]] = None  # a generator's copy that takes merged publications
 
@@ -193,11 +195,12 @@ class VLAPolicy(nn.Module):
 
     def _trained(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         if self.served_merged is not None:  # what a merged publication holds: the adapted layers' weights, heads
-            merged = set(self.served_merged)
+            merged = set(self.served_merged) | self.full_trained
             return {key: t for key, t in state.items() if not key.startswith("vla.") or key in merged}
         if not self.has_adapters():
             return {key: t for key, t in state.items() if key not in self.frozen}
-        return {key: t for key, t in state.items() if not key.startswith("vla.") or ".lora_" in key}
+        keep = self.full_trained
+        return {key: t for key, t in state.items() if not key.startswith("vla.") or ".lora_" in key or key in keep}
 
     def save_pretrained(self, folder: Union[str, Path]) -> Path:
         """A release folder of the trained policy, adapters merged, that `model.path` (and `vlaslurm eval`) loads:
