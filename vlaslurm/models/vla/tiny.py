@@ -192,7 +192,47 @@ def build_tiny(
     """
     recipe = {k: v for k, v in locals().items() if k != "backbone"}  # the arguments, as save_pretrained records them
     recipe["backbone"] = dataclasses.asdict(backbone)
-    policy = _build(**{k: v for k, v in recipe.items() if k != "train_embeddings"})
+    if num_cameras <= 0 or image_size <= 0:
+        raise ValueError("a VLA reads camera images: set env.obs.image_size and env.obs.cameras")
+    if kind not in ("openvla", "openvla-oft"):
+        raise ValueError(f"kind must be 'openvla' or 'openvla-oft', got {kind!r}")
+    if vision not in ("film-stem", "dinosiglip"):
+        raise ValueError(f"vision must be 'film-stem' or 'dinosiglip', got {vision!r}")
+    shape = PolicyShape(action_chunk, action_dim)
+    categorical = CentreCategorical(ACTION_BINS, temperature)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vla: nn.Module
+        if vision == "film-stem":
+            vla = StemVLA(backbone, projector)
+            skips = template_skips(HashedTextEncoder()) if film_text == "instruction" else (0, 0)
+            images: Any = StemImages(*skips)
+        else:
+            config = dataclasses.replace(tiny_release_config(), text_config=text_config(backbone))
+            vla = build_vla(config, device="cpu")
+            images = ReleaseImages(ImageTransform())
+        common: Dict[str, Any] = dict(tokenizer=HashedTextEncoder(), images=images, shape=shape)
+        policy: VLAPolicy
+        if kind == "openvla":
+            policy = OpenVLATokenPolicy(vla, categorical=categorical, **common)
+        else:
+            hidden = backbone.hidden_size
+            action_head = L1RegressionActionHead(hidden, action_dim)
+            if head_init_std is not None:
+                nn.init.normal_(action_head.model.fc2.weight, std=head_init_std)
+                nn.init.zeros_(action_head.model.fc2.bias)
+            proprio = ProprioProjector(hidden, state_dim) if state_dim > 0 else None
+            policy = OFTChunkPolicy(
+                vla,
+                head=head,
+                categorical=categorical,
+                action_head=action_head,
+                std=std,
+                init_std=init_std,
+                final_std=final_std,
+                proprio_projector=proprio,
+                **common,
+            )
     policy.recipe = recipe
     _freeze(policy, train_embeddings)
     return policy
@@ -222,65 +262,3 @@ def load_tiny(folder: Path) -> VLAPolicy:
     policy = build_tiny(recipe.pop("kind"), BackboneConfig(**recipe.pop("backbone")), **recipe)
     policy.load_state_dict(load_file(str(folder / SINGLE_WEIGHTS_FILE)), strict=True)
     return policy
-
-
-def _build(
-    kind: Kind,
-    backbone: Dict[str, Any],
-    *,
-    action_chunk: int,
-    action_dim: int,
-    state_dim: int,
-    image_size: int,
-    num_cameras: int,
-    seed: int,
-    vision: Vision,
-    head: Literal["l1", "discrete"],
-    std: Literal["learned", "scheduled"],
-    init_std: float,
-    final_std: float,
-    temperature: float,
-    projector: Projector,
-    head_init_std: Optional[float],
-    film_text: Literal["prompt", "instruction"],
-) -> VLAPolicy:
-    backbone_config = BackboneConfig(**backbone)
-    if num_cameras <= 0 or image_size <= 0:
-        raise ValueError("a VLA reads camera images: set env.obs.image_size and env.obs.cameras")
-    if kind not in ("openvla", "openvla-oft"):
-        raise ValueError(f"kind must be 'openvla' or 'openvla-oft', got {kind!r}")
-    if vision not in ("film-stem", "dinosiglip"):
-        raise ValueError(f"vision must be 'film-stem' or 'dinosiglip', got {vision!r}")
-    shape = PolicyShape(action_chunk, action_dim)
-    categorical = CentreCategorical(ACTION_BINS, temperature)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        vla: nn.Module
-        if vision == "film-stem":
-            vla = StemVLA(backbone_config, projector)
-            skips = template_skips(HashedTextEncoder()) if film_text == "instruction" else (0, 0)
-            images: Any = StemImages(*skips)
-        else:
-            config = dataclasses.replace(tiny_release_config(), text_config=text_config(backbone_config))
-            vla = build_vla(config, device="cpu")
-            images = ReleaseImages(ImageTransform())
-        common: Dict[str, Any] = dict(tokenizer=HashedTextEncoder(), images=images, shape=shape)
-        if kind == "openvla":
-            return OpenVLATokenPolicy(vla, categorical=categorical, **common)
-        hidden = backbone_config.hidden_size
-        action_head = L1RegressionActionHead(hidden, action_dim)
-        if head_init_std is not None:
-            nn.init.normal_(action_head.model.fc2.weight, std=head_init_std)
-            nn.init.zeros_(action_head.model.fc2.bias)
-        proprio = ProprioProjector(hidden, state_dim) if state_dim > 0 else None
-        return OFTChunkPolicy(
-            vla,
-            head=head,
-            categorical=categorical,
-            action_head=action_head,
-            std=std,
-            init_std=init_std,
-            final_std=final_std,
-            proprio_projector=proprio,
-            **common,
-        )
