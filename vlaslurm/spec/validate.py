@@ -225,9 +225,8 @@ def _check_model(loaded: LoadedSpec) -> None:
 
 def _check_random_init(loaded: LoadedSpec, model: VLAConfig) -> None:
     """What vla/tiny.py builds for path: null (checked whatever the path: a spec that drops its path must load)."""
-    _positive(loaded, [f"model.backbone.{key}" for key in ("hidden_size", "num_layers", "num_heads")])
-    _positive(loaded, ["model.backbone.intermediate_size", "model.backbone.vision_channels"])
-    _positive(loaded, ["model.backbone.num_keypoints"])
+    sizes = ("hidden_size", "num_layers", "num_heads", "intermediate_size", "vision_channels", "num_keypoints")
+    _positive(loaded, [f"model.backbone.{key}" for key in sizes])
     backbone = model.backbone
     if backbone.hidden_size % backbone.num_heads:
         raise loaded.error(

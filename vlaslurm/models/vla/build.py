@@ -93,12 +93,9 @@ def build(cfg: VLAConfig, action_dim: int, state_dim: int, image_size: int, num_
     # ignoring the instruction).
     _add_adapters(policy.vla, cfg, None, trainable_extra=RANDOM_INIT_TRAINED)
     policy.publish_merged = cfg.lora is not None and cfg.lora.publish == "merged"
-    if cfg.lora is not None:
-        policy.full_trained = frozenset(
-            VLA_PREFIX + name
-            for name, p in policy.vla.named_parameters()
-            if p.requires_grad and name.startswith(tuple(f"{path}." for path in RANDOM_INIT_TRAINED))
-        )
+    if cfg.lora is not None:  # what apply_lora left trainable besides the adapters: the modules above
+        trainable = (name for name, p in policy.vla.named_parameters() if p.requires_grad and ".lora_" not in name)
+        policy.full_trained = frozenset(VLA_PREFIX + name for name in trainable)
     return policy
 
 
