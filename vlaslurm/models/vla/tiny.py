@@ -14,8 +14,9 @@ so the quickstart, the tests and a 7B run take one code path. Two vision backbon
 Words are hashed (`HashedTextEncoder`), so no tokenizer file is read; the ids avoid every id the Llama-2 layout
 fixes. The OFT heads are the release's (`L1RegressionActionHead`, `ProprioProjector`); proprio is read raw (no
 dataset statistics at random init). The 32064-row token embeddings stay frozen by default (random rows already
-tell words apart; training them densely cost ~40% of each small update), and so does the LM head where no head
-reads it (OFT's L1 head): such tensors are rebuilt from the seed, so checkpoints and publications leave them out.
+tell words apart; trained densely, each small update took 1.25x as long: benchmarks/tiny_update_cost.py), and so
+does the LM head where no head reads it (OFT's L1 head): such tensors are rebuilt from the seed, so checkpoints and
+publications leave them out.
 `save_pretrained` writes the build arguments and the weights; `load_tiny` reads them back.
 """
 
