@@ -108,3 +108,26 @@ def _loaded(tmp_path: Path) -> LoadedSpec:
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(synthetic_spec("sync")))
     return load_spec(path)
+
+
+def test_a_fork_leaves_the_parents_objects_to_no_collection_of_the_child() -> None:
+    """The zygote's forks freeze what it holds (`gc.freeze`): a child's collections and exit then leave the
+    parent's heap alone (its pages stay shared; a forked rank's exit took ~1.3 s of CPU with torch and transformers
+    imported, ~0.3 s frozen). Here the child reports the size of the permanent generation it started with."""
+    import gc
+
+    from vlaslurm.runtime import zygote
+
+    held = [object() for _ in range(10_000)]  # objects the child inherits (gc tracks containers: a list each)
+    holders = [[o] for o in held]
+    read, write = os.pipe()
+    pid = zygote._fork()
+    if pid == 0:  # the child: report, then leave without running the test session's exit
+        os.write(write, str(gc.get_freeze_count()).encode())
+        os._exit(0)
+    os.close(write)
+    frozen = int(os.read(read, 64))
+    os.close(read)
+    assert os.waitpid(pid, 0)[1] == 0
+    gc.unfreeze()  # this test process is no zygote: its objects go back to the collector
+    assert frozen >= len(holders)

@@ -17,6 +17,7 @@ Protocol: JSON lines, requests on the zygote's stdin, `{"pid": N}` and `{"exit":
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -169,7 +170,7 @@ def fork_worker(argv: List[str], env: Mapping[str, str]) -> int:
 
     The child unwinds to `main`'s top (a BaseException no `except Exception` stops) and runs the worker there,
     so it ends with the interpreter's normal exit, as a fresh process would."""
-    pid = os.fork()
+    pid = _fork()
     if pid == 0:
         for signum in (signal.SIGTERM, signal.SIGUSR2):  # what a supervisor forwards; a fresh process has neither
             signal.signal(signum, signal.SIG_DFL)
@@ -177,6 +178,16 @@ def fork_worker(argv: List[str], env: Mapping[str, str]) -> int:
         os.environ.update(env)
         raise _Become(argv)
     return pid
+
+
+def _fork() -> int:
+    """`os.fork`, with every object this process holds moved out of the collector's sight first (`gc.freeze`).
+
+    A forked child's collections would otherwise walk the parent's whole heap (torch's and transformers' modules):
+    each pass writes to objects' headers, so their pages are copied, and the child's exit alone took ~1.3 s of
+    CPU against ~0.3 s frozen. The parent's objects live as long as the child; they are never garbage to it."""
+    gc.freeze()
+    return os.fork()
 
 
 class ChildProcess:
@@ -279,7 +290,7 @@ def serve(modules: Sequence[str]) -> int:
             continue
         line, buffer = buffer.split(b"\n", 1)
         request = json.loads(line)
-        pid = os.fork()
+        pid = _fork()
         if pid == 0:
             return _run_worker(_child(request))
         _reply({"pid": pid})
