@@ -13,23 +13,27 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Tuple
 
 import psutil
 import pytest
 import yaml
-from runtime_helpers import member_pid, run_spec, synthetic_spec, wait_for
+from runtime_helpers import Run, member_pid, run_spec, synthetic_spec, wait_for
 
 from vlaslurm.runtime import local
+from vlaslurm.runtime import zygote as zygotes
 from vlaslurm.runtime.zygote import Zygote, ZygoteError
 from vlaslurm.spec import LoadedSpec, load_spec
 
 
-def test_a_local_runs_ranks_are_forked_from_its_zygote_and_it_ends_with_the_run(tmp_path: Path) -> None:
-    spec = synthetic_spec("sync", total_env_steps=4000)
+def _zygote_of_run(tmp_path: Path, spec: dict, name: str) -> Tuple[psutil.Process, Run]:
+    """Run `spec`, and return the zygote its ranks were forked from (checked: all of them), with the run."""
     result = {}
-    runner = threading.Thread(target=lambda: result.update(run=run_spec(tmp_path, spec, timeout_s=120)), daemon=True)
+    runner = threading.Thread(
+        target=lambda: result.update(run=run_spec(tmp_path, spec, name=name, timeout_s=120)), daemon=True
+    )
     runner.start()
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path / name
     ranks = {role: wait_for(lambda r=role: member_pid(run_dir, r, 0), 60, f"{role}[0]") for role in local.ROLES}
     parents = {role: psutil.Process(pid).parent() for role, pid in ranks.items()}
     zygote = parents["trainer"]
@@ -41,7 +45,32 @@ def test_a_local_runs_ranks_are_forked_from_its_zygote_and_it_ends_with_the_run(
     assert all(os.getsid(pid) != os.getsid(0) for pid in ranks.values()), "a rank shares the launcher's session"
     runner.join(150)
     assert result["run"].rc == 0
-    assert not psutil.pid_exists(zygote.pid) or zygote.status() == psutil.STATUS_ZOMBIE
+    return zygote, result["run"]
+
+
+def _ended(process: psutil.Process) -> bool:
+    return not psutil.pid_exists(process.pid) or process.status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_local_runs_ranks_are_forked_from_a_zygote_the_launchers_next_run_reuses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The zygote outlives its run, idle, for the launcher's next run with the same settings; a run with another
+    environment gets a zygote of its own and the idle one ends; `close_idle` (also at the launcher's exit) ends
+    the last."""
+    zygotes.close_idle()  # whatever an earlier test of this process left
+    spec = synthetic_spec("sync", total_env_steps=1600)
+    first, _ = _zygote_of_run(tmp_path, spec, "first")
+    assert not _ended(first)
+    again, _ = _zygote_of_run(tmp_path, spec, "again")
+    assert again.pid == first.pid
+    monkeypatch.setenv("VLASLURM_TEST_MARK", "another environment")  # what a zygote's imports may have read
+    other, _ = _zygote_of_run(tmp_path, spec, "other")
+    assert other.pid != first.pid
+    wait_for(lambda: _ended(first), 30, "the idle zygote ending")
+    assert "VLASLURM_TEST_MARK" in psutil.Process(other.pid).environ()
+    zygotes.close_idle()
+    assert _ended(other)
 
 
 def test_a_forked_rank_gets_its_environment_and_log_and_its_exit_is_reported(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from vlaslurm import rundir
 from vlaslurm.rundir import RunDir
+from vlaslurm.runtime import zygote as zygotes
 from vlaslurm.runtime.signals import DRAIN_SIGNAL, REQUEUE_EXIT
 from vlaslurm.runtime.zygote import ForkedRank, Zygote, ZygoteError
 from vlaslurm.spec import ExperimentSpec, LoadedSpec, load_spec
@@ -120,7 +121,8 @@ def _launch(
     on_tick: Optional[Tick] = None,
 ) -> int:
     """Start every rank of `info` and supervise them to the end."""
-    zygote = _start_zygote(spec)
+    env = _base_env()
+    zygote = _start_zygote(spec, env)
     try:
         procs = [
             _spawn(directory, role, rank, args, info, attempt, zygote)
@@ -129,13 +131,13 @@ def _launch(
         ]
         return _supervise(directory, procs, echo, timeout_s, attempt, on_tick)
     finally:
-        if zygote is not None:
-            zygote.close()
+        if zygote is not None:  # kept for this launcher's next run where all its ranks ended
+            zygotes.release(zygote, ZYGOTE_MODULES, env, spec.model.type)
 
 
-def _start_zygote(spec: ExperimentSpec) -> Optional[Zygote]:
+def _start_zygote(spec: ExperimentSpec, env: Dict[str, str]) -> Optional[Zygote]:
     try:
-        return Zygote(ZYGOTE_MODULES, _base_env(), policy=spec.model.type)
+        return zygotes.acquire(ZYGOTE_MODULES, env, policy=spec.model.type)
     except (ZygoteError, OSError) as err:
         print(f"vlaslurm: {err}; starting every rank as a fresh process", file=sys.stderr, flush=True)
         return None

@@ -4,7 +4,8 @@ A fresh interpreter spends ~1.3 s of CPU importing torch, ~3.5 s with transforme
 anything; a local run of a few ranks on a laptop pays it once per rank. `vlaslurm run` instead starts one
 zygote per run (`python -m vlaslurm.runtime.zygote MODULE... policy:TYPE`), which imports the modules and
 the policy module of `model.type`, then forks a rank per request; a rank's restart supervisor forks its
-worker likewise (`fork_worker`). Slurm steps start fresh interpreters as before.
+worker likewise (`fork_worker`). A launcher keeps its last zygote for its next local run (`acquire`).
+Slurm steps start fresh interpreters as before.
 
 A forked rank is what a fresh one would be: its own session, stdin from /dev/null, stdout and stderr
 appended to its log, the environment it was given, and the normal interpreter exit (threads joined, atexit
@@ -17,6 +18,7 @@ Protocol: JSON lines, requests on the zygote's stdin, `{"pid": N}` and `{"exit":
 
 from __future__ import annotations
 
+import atexit
 import gc
 import importlib
 import json
@@ -27,7 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence, TextIO
+from typing import Dict, List, Mapping, Optional, Sequence, Set, TextIO, Tuple
 
 POLL_S = 0.05  # how often the zygote reaps its ranks while no request comes
 READY = "ready"
@@ -50,6 +52,7 @@ class Zygote:
             start_new_session=True,  # a Ctrl-C meant for the launcher must not end it before its ranks
         )
         self.codes: Dict[int, int] = {}
+        self.live: Set[int] = set()  # ranks forked whose exit is not reported yet
         self._buffer = b""
         first = self._line(blocking=True)
         if first != {READY: True}:
@@ -67,8 +70,9 @@ class Zygote:
             if reply is None:
                 raise ZygoteError("the local launcher's zygote stopped before starting a rank")
             if "pid" in reply:
+                self.live.add(int(reply["pid"]))
                 return ForkedRank(self, int(reply["pid"]))
-            self.codes[int(reply["exit"])] = int(reply["code"])
+            self._exited(reply)
 
     def pump(self) -> None:
         """Read the exits reported so far."""
@@ -76,7 +80,12 @@ class Zygote:
             reply = self._line(blocking=False)
             if reply is None:
                 return
-            self.codes[int(reply["exit"])] = int(reply["code"])
+            self._exited(reply)
+
+    def _exited(self, reply: dict) -> None:
+        pid = int(reply["exit"])
+        self.codes[pid] = int(reply["code"])
+        self.live.discard(pid)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -106,6 +115,54 @@ class Zygote:
             return dict(json.loads(line))
         except ValueError:
             raise ZygoteError(f"the local launcher's zygote said {line[:200]!r}, not a JSON line") from None
+
+
+# A launcher that starts several local runs (a benchmark, a sweep from a script, a test session) keeps the zygote
+# of its last run while it waits, idle, for the next: a zygote's start is ~4 s of imports. Only a zygote whose
+# ranks all ended is kept, for a run that asks for the same modules, environment and working directory (what
+# its imports may have read); another request ends it. It ends with the launcher at the latest (its stdin closes).
+ZygoteKey = Tuple[Tuple[str, ...], str, Tuple[Tuple[str, str], ...], str]
+_idle: Dict[ZygoteKey, Zygote] = {}
+
+
+# Variables that describe the launcher's moment, not a setting an import could read: pytest names the running test.
+MOMENTARY_ENV = frozenset({"PYTEST_CURRENT_TEST"})
+
+
+def _key(modules: Sequence[str], env: Mapping[str, str], policy: str) -> ZygoteKey:
+    settings = tuple(sorted((k, v) for k, v in env.items() if k not in MOMENTARY_ENV))
+    return tuple(modules), policy, settings, os.getcwd()
+
+
+def acquire(modules: Sequence[str], env: Mapping[str, str], policy: str = "") -> Zygote:
+    """This launcher's idle zygote for these settings if it is still alive, else a new one (`ZygoteError`)."""
+    key = _key(modules, env, policy)
+    kept = _idle.pop(key, None)
+    if kept is not None and kept.alive():
+        return kept
+    if kept is not None:
+        kept.close()
+    return Zygote(modules, env, policy)
+
+
+def release(zygote: Zygote, modules: Sequence[str], env: Mapping[str, str], policy: str = "") -> None:
+    """A run is done with `zygote`: keep it idle for the next run with the same settings if all its ranks have
+    ended (their exits reported), else end it. At most one zygote is kept."""
+    zygote.pump()
+    if not zygote.alive() or zygote.live:
+        zygote.close()
+        return
+    close_idle()
+    _idle[_key(modules, env, policy)] = zygote
+
+
+def close_idle() -> None:
+    """End the kept zygote, if any."""
+    while _idle:
+        _idle.popitem()[1].close()
+
+
+atexit.register(close_idle)
 
 
 class ForkedRank:
