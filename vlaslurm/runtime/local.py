@@ -121,8 +121,7 @@ def _launch(
     on_tick: Optional[Tick] = None,
 ) -> int:
     """Start every rank of `info` and supervise them to the end."""
-    env = _base_env()
-    zygote = _start_zygote(spec, env)
+    zygote = _start_zygote(spec)
     try:
         procs = [
             _spawn(directory, role, rank, args, info, attempt, zygote)
@@ -132,12 +131,12 @@ def _launch(
         return _supervise(directory, procs, echo, timeout_s, attempt, on_tick)
     finally:
         if zygote is not None:  # kept for this launcher's next run where all its ranks ended
-            zygotes.release(zygote, ZYGOTE_MODULES, env, spec.model.type)
+            zygotes.release(zygote)
 
 
-def _start_zygote(spec: ExperimentSpec, env: Dict[str, str]) -> Optional[Zygote]:
+def _start_zygote(spec: ExperimentSpec) -> Optional[Zygote]:
     try:
-        return zygotes.acquire(ZYGOTE_MODULES, env, policy=spec.model.type)
+        return zygotes.acquire(ZYGOTE_MODULES, _base_env(), policy=spec.model.type)
     except (ZygoteError, OSError) as err:
         print(f"vlaslurm: {err}; starting every rank as a fresh process", file=sys.stderr, flush=True)
         return None

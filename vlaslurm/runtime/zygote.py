@@ -44,6 +44,7 @@ class Zygote:
     """The launcher's side: one zygote process; `spawn` a rank, read exits with `ForkedRank.poll`."""
 
     def __init__(self, modules: Sequence[str], env: Mapping[str, str], policy: str = "") -> None:
+        self.key = _key(modules, env, policy)  # which later runs may reuse it (`acquire`)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vlaslurm.runtime.zygote", *modules, *([f"{POLICY_ARG}{policy}"] if policy else [])],
             stdin=subprocess.PIPE,
@@ -122,8 +123,7 @@ class Zygote:
 # ranks all ended is kept, for a run that asks for the same modules, environment and working directory (what
 # its imports may have read); another request ends it. It ends with the launcher at the latest (its stdin closes).
 ZygoteKey = Tuple[Tuple[str, ...], str, Tuple[Tuple[str, str], ...], str]
-_idle: Dict[ZygoteKey, Zygote] = {}
-
+_kept: Optional[Zygote] = None
 
 # Variables that describe the launcher's moment, not a setting an import could read: pytest names the running test.
 MOMENTARY_ENV = frozenset({"PYTEST_CURRENT_TEST"})
@@ -135,31 +135,35 @@ def _key(modules: Sequence[str], env: Mapping[str, str], policy: str) -> ZygoteK
 
 
 def acquire(modules: Sequence[str], env: Mapping[str, str], policy: str = "") -> Zygote:
-    """This launcher's idle zygote for these settings if it is still alive, else a new one (`ZygoteError`)."""
-    key = _key(modules, env, policy)
-    kept = _idle.pop(key, None)
-    if kept is not None and kept.alive():
+    """This launcher's kept zygote if it has these settings and is alive (any other is ended), else a new one
+    (`ZygoteError`)."""
+    global _kept
+    kept, _kept = _kept, None
+    if kept is not None and kept.key == _key(modules, env, policy) and kept.alive():
         return kept
     if kept is not None:
         kept.close()
     return Zygote(modules, env, policy)
 
 
-def release(zygote: Zygote, modules: Sequence[str], env: Mapping[str, str], policy: str = "") -> None:
-    """A run is done with `zygote`: keep it idle for the next run with the same settings if all its ranks have
-    ended (their exits reported), else end it. At most one zygote is kept."""
+def release(zygote: Zygote) -> None:
+    """A run is done with `zygote`: keep it for the next run if all its ranks have ended (their exits reported),
+    else end it. One zygote is kept at most."""
+    global _kept
     zygote.pump()
     if not zygote.alive() or zygote.live:
         zygote.close()
         return
     close_idle()
-    _idle[_key(modules, env, policy)] = zygote
+    _kept = zygote
 
 
 def close_idle() -> None:
     """End the kept zygote, if any."""
-    while _idle:
-        _idle.popitem()[1].close()
+    global _kept
+    kept, _kept = _kept, None
+    if kept is not None:
+        kept.close()
 
 
 atexit.register(close_idle)
