@@ -99,8 +99,8 @@ def test_trainer_followers_outwait_a_phase_longer_than_their_group_timeout(tmp_p
     """Two trainer ranks; the first batch takes well over the trainers' group timeout (first_meeting_timeout_s +
     timeout_s) to arrive. Rank 1 waits in a collective for it: rank 0's keep-alives must carry it through, where gloo
     alone would fail it at the timeout."""
-    first_s, timeout_s = 15, 5
-    spec = synthetic_spec("sync", num_envs=4, step_ms=600, episode_steps=200, steps_per_update=240, total_env_steps=240)
+    first_s, timeout_s = 10, 4  # the ranks meet within seconds of their start, loaded or not
+    spec = synthetic_spec("sync", num_envs=4, step_ms=400, episode_steps=60, steps_per_update=240, total_env_steps=240)
     spec["runtime"] = {
         "first_meeting_timeout_s": first_s,
         "timeout_s": timeout_s,
