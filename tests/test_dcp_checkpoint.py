@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from learner_helpers import algo_config, rollout_segments, tiny_policy
+from process_helpers import start_ranks
 
 from vlaslurm.algos.batch import collate
 from vlaslurm.algos.learners import make_learner
@@ -101,7 +101,7 @@ def ranked(tmp_path_factory) -> Path:
     (tmp / "run").mkdir()
     segments = rollout_segments(tiny_policy(seed=1), num_envs=8, chunks=9, group_size=4, version_every=3)
     torch.save(collate(segments), tmp / "batch.pt")
-    mp.start_processes(_rank, args=(str(tmp),), nprocs=WORLD, start_method="spawn", join=True)
+    start_ranks(_rank, (str(tmp),), WORLD)
     return tmp
 
 

@@ -13,7 +13,6 @@ import pytest
 from listen_helpers import is_wildcard, listening
 from process_helpers import run_ranks
 
-PRELOAD = ("torch", "torch.distributed", "vlaslurm.runtime.dist")
 SECRET = bytes(range(32))
 # What c10d writes for the default group over gloo: each rank's listener address, as
 # "<group>//<device>//<gloo prefix>/<rank>" (seen with list_keys() on torch 2.13).
@@ -99,7 +98,7 @@ def _what_a_rogue_sees(store: Any, sealed: Any) -> dict[str, Any]:
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """What each of four real ranks saw of one world (formed once for the tests below)."""
     run_dir = tmp_path_factory.mktemp("dist") / "rdzv dir"
-    return run_ranks(_rank_main, preload=PRELOAD, args=[(str(run_dir), role, rank) for role, rank in KEYS])
+    return run_ranks(_rank_main, args=[(str(run_dir), role, rank) for role, rank in KEYS])
 
 
 def test_four_ranks_meet_and_all_reduce(four_ranks: list[dict[str, Any]]) -> None:

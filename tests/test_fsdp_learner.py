@@ -26,8 +26,8 @@ from typing import Dict, List, NamedTuple, Optional, cast
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from learner_helpers import CHUNK, algo_config, assert_same_update, rollout_segments, tiny_policy
+from process_helpers import start_ranks
 from tiny_checkpoints import write_tiny_release
 from torch.distributed.fsdp import FSDPModule
 
@@ -316,7 +316,7 @@ def spawned(tmp_path_factory, batch) -> Path:
     segments = rollout_segments(release_policy(str(tmp / "release")), num_envs=8, chunks=6, group_size=4)
     torch.save(collate(segments), tmp / "batch-release.pt")
     torch.save(collate(rollout_segments(pi0_policy(), num_envs=4, chunks=4)), tmp / "batch-pi0.pt")
-    mp.start_processes(_rank, args=(str(tmp),), nprocs=max(WORLDS), start_method="spawn", join=True)
+    start_ranks(_rank, (str(tmp),), max(WORLDS))
     return tmp
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from process_helpers import start_ranks
 from tiny_checkpoints import write_tiny_release
 
 from vlaslurm.algos.sharding import full_state_dict, load_release_slices, local_numel, materialize_sharded, shard_policy
@@ -48,7 +48,7 @@ def _rank(rank: int, tmp: str, release: str) -> None:
 def loaded(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp-load")
     release = write_tiny_release(tmp / "release")
-    mp.start_processes(_rank, args=(str(tmp), str(release)), nprocs=WORLD, start_method="spawn", join=True)
+    start_ranks(_rank, (str(tmp), str(release)), WORLD)
     return tmp, release
 
 
@@ -106,7 +106,7 @@ def _trainer_rank(rank: int, tmp: str, release: str) -> None:
 def trainer_built(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp-trainer-build")
     release = write_tiny_release(tmp / "release", oft=True)
-    mp.start_processes(_trainer_rank, args=(str(tmp), str(release)), nprocs=WORLD, start_method="spawn", join=True)
+    start_ranks(_trainer_rank, (str(tmp), str(release)), WORLD)
     return tmp, release
 
 

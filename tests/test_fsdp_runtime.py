@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from learner_helpers import algo_config, rollout_segments, tiny_policy
+from process_helpers import start_ranks
 from runtime_helpers import run_spec
 from test_checkpoint_resume import final, run_interrupted, toy_ppo_spec
 
@@ -128,7 +128,7 @@ def ranked(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("fsdp-runtime")
     segments = rollout_segments(tiny_policy(seed=1), num_envs=8, chunks=9, version_every=3)
     torch.save(collate(segments), tmp / "batch.pt")
-    mp.start_processes(_rank, args=(str(tmp),), nprocs=WORLD, start_method="spawn", join=True)
+    start_ranks(_rank, (str(tmp),), WORLD)
     return tmp
 
 

@@ -16,8 +16,8 @@ from typing import Optional
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from learner_helpers import algo_config, assert_same_update, rollout_segments, tiny_policy
+from process_helpers import start_ranks
 
 from vlaslurm.algos.batch import collate
 from vlaslurm.algos.learners import DataParallel, evaluate_all, make_learner
@@ -91,7 +91,7 @@ def ranked(tmp_path_factory, batch) -> Path:
     """The parameters each of 2 gloo ranks holds after the update, for every case."""
     tmp = tmp_path_factory.mktemp("dp")
     torch.save(batch, tmp / "batch.pt")
-    mp.start_processes(_rank, args=(str(tmp),), nprocs=WORLD, start_method="spawn", join=True)
+    start_ranks(_rank, (str(tmp),), WORLD)
     return tmp
 
 

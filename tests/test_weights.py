@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import re
 import time
@@ -11,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from process_helpers import run_ranks
+from process_helpers import forkserver, run_ranks
 
 from vlaslurm.runtime.weights import (
     FilesystemPublisher,
@@ -24,8 +23,6 @@ from vlaslurm.runtime.weights import (
     plan_buckets,
     wait_for_version,
 )
-
-PRELOAD = ("torch", "torch.distributed", "vlaslurm.runtime.weights")
 
 EXPECTED = {"trainer": 1, "generator": 2}
 KEYS = [("trainer", 0), ("generator", 0), ("generator", 1)]
@@ -150,9 +147,7 @@ def _generator(run_dir: str, world: Any, rank: int) -> dict[str, Any]:
 
 
 def test_broadcast_delivers_exact_versions_and_names_a_missing_generator(tmp_path: Path) -> None:
-    trainer, gen0, gen1 = run_ranks(
-        _broadcast_rank, preload=PRELOAD, args=[(str(tmp_path), role, rank) for role, rank in KEYS]
-    )
+    trainer, gen0, gen1 = run_ranks(_broadcast_rank, args=[(str(tmp_path), role, rank) for role, rank in KEYS])
     for gen in (gen0, gen1):
         assert gen["seen"] == [1, 2]  # lock-step: no generator skips a broadcast round
         assert gen["exact"] == [True, True]
@@ -181,8 +176,7 @@ def _write_versions(directory: str, count: int) -> int:
 def test_filesystem_reader_never_sees_a_partial_file(tmp_path: Path) -> None:
     directory = tmp_path / "weights dir"
     directory.mkdir()
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "vlaslurm.runtime.weights"])
+    ctx = forkserver()
     count = 12
     writer = ctx.Process(target=_write_versions, args=(str(directory), count))
     writer.start()
