@@ -306,6 +306,38 @@ def test_known_action_sizes_are_the_simulators(tmp_path):
     assert known_action_dim(ManiSkillEnvConfig(type="maniskill", action_convention="native")) is None
 
 
+def test_known_state_sizes_are_the_simulators():
+    from vlaslurm.envs import known_state_dim, make_env
+    from vlaslurm.envs.libero import STATE_DIM
+    from vlaslurm.spec.env_types import LiberoEnvConfig, ManiSkillEnvConfig, SyntheticEnvConfig, ToyEnvConfig
+
+    for cfg in (ToyEnvConfig(type="toy"), SyntheticEnvConfig(type="synthetic", state_dim=5)):
+        assert known_state_dim(cfg) == make_env(cfg, 1, 0, 0).state_dim
+    assert known_state_dim(LiberoEnvConfig(type="libero")) == STATE_DIM
+    assert known_state_dim(ManiSkillEnvConfig(type="maniskill")) is None
+
+
+def test_plan_refuses_a_saved_tiny_policy_of_another_state_size(tmp_path):
+    """A tiny policy saved for LIBERO's 8-value state, on the toy task (2 values): plan refuses it, naming the
+    field, as the runtime's build would (it did not: plan accepted it and the run failed at build)."""
+    from vlaslurm.models.vla.tiny import build_tiny
+    from vlaslurm.spec.model_types import BackboneConfig
+
+    saved = tmp_path / "libero policy"
+    policy = build_tiny(
+        "openvla-oft", BackboneConfig(), action_chunk=4, action_dim=2, state_dim=8, image_size=32, num_cameras=1, seed=0
+    )
+    policy.save_pretrained(saved)
+    spec = tmp_path / "toy.yaml"
+    model = {"type": "openvla-oft", "path": str(saved), "action_chunk": 4}
+    env = {"type": "toy", "num_envs": 4, "obs": {"image_size": 32, "cameras": ["top"], "state": True}}
+    spec.write_text(yaml.safe_dump({"name": "dims", "env": env, "model": model, "algo": {"type": "ppo"}}))
+    proc = vlaslurm("plan", str(spec), runs_root=tmp_path / "runs", env={"VLASLURM_SITE": "none"})
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    assert "env.obs.state" in proc.stderr and "is 2 but the policy" in proc.stderr and "saved with 8" in proc.stderr
+
+
 def test_plan_refuses_a_checkpoint_for_another_robot(folders, tmp_path):
     """The toy task takes 2-dim actions; a LIBERO checkpoint's statistics have 7: plan says so, naming the field."""
     spec = tmp_path / "toy.yaml"

@@ -78,12 +78,13 @@ def check_model_checkpoint(loaded: LoadedSpec) -> None:
     path = loaded.spec.model.path
     if path is None or not os.path.isdir(os.path.expanduser(path)):
         return
-    from vlaslurm.envs import known_action_dim
+    from vlaslurm.envs import known_action_dim, known_state_dim
     from vlaslurm.models.checkpoint import CheckpointError, check_checkpoint  # torch, only with a checkpoint
 
     try:
-        obs = loaded.spec.env.obs
-        check_checkpoint(loaded.spec.model, known_action_dim(loaded.spec.env), obs.state, obs.image_size > 0)
+        env = loaded.spec.env
+        action_dim, state_dim = known_action_dim(env), known_state_dim(env)
+        check_checkpoint(loaded.spec.model, action_dim, env.obs.state, env.obs.image_size > 0, state_dim)
     except CheckpointError as exc:
         raise loaded.error(exc.field, exc.reason, suggestions=exc.suggestions) from None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from vlaslurm.envs.base import Observation, StepResult, VecEnv, tasks_of
-from vlaslurm.spec.env_types import EnvConfig
+from vlaslurm.spec.env_types import EnvConfig, SyntheticEnvConfig
 from vlaslurm.spec.registry import Registry
 
 # The simulator of each env.type (its config class is registered in vlaslurm/spec/env_types.py):
@@ -40,4 +40,30 @@ def known_action_dim(cfg: EnvConfig) -> Optional[int]:
     return None
 
 
-__all__ = ["ENVS", "Observation", "StepResult", "VecEnv", "known_action_dim", "make_env", "tasks_of"]
+def known_state_dim(cfg: EnvConfig) -> Optional[int]:
+    """The state size `cfg`'s simulator gives (its `state_dim`), where it is known without starting it (what
+    `plan` checks a saved policy's proprio input against); None where only the simulator knows (ManiSkill's and
+    RoboTwin's depend on the task and the embodiment)."""
+    if cfg.type == "toy":
+        from vlaslurm.envs.toy import ToyReachVecEnv
+
+        return ToyReachVecEnv.state_dim
+    if cfg.type == "libero":
+        from vlaslurm.envs.libero import STATE_DIM
+
+        return STATE_DIM if cfg.obs.state else 0
+    if isinstance(cfg, SyntheticEnvConfig):
+        return cfg.state_dim
+    return None
+
+
+__all__ = [
+    "ENVS",
+    "Observation",
+    "StepResult",
+    "VecEnv",
+    "known_action_dim",
+    "known_state_dim",
+    "make_env",
+    "tasks_of",
+]

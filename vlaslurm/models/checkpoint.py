@@ -183,12 +183,17 @@ def _adapter_base(adapter: Path, base_path: Optional[str]) -> Path:
 
 
 def check_checkpoint(
-    cfg: ModelConfig, action_dim: Optional[int] = None, state: Optional[bool] = None, images: Optional[bool] = None
+    cfg: ModelConfig,
+    action_dim: Optional[int] = None,
+    state: Optional[bool] = None,
+    images: Optional[bool] = None,
+    state_dim: Optional[int] = None,
 ) -> None:
     """Raise a `CheckpointError` if the runtime would refuse `cfg.path`; nothing for a random init.
 
     `action_dim`, when given (the environment's), must equal the statistics' action dimensions; `state` and
-    `images` (whether the environment gives them) must be true for a proprio projector and for any VLA.
+    `images` (whether the environment gives them) must be true for a proprio projector and for any VLA;
+    `state_dim` (the environment's state size), when given, must be a saved tiny policy's.
     """
     if cfg.path is not None and isinstance(cfg, PI0PolicyConfig):
         return _check_pi0_folder(Path(cfg.path).expanduser(), cfg.vision)
@@ -196,7 +201,7 @@ def check_checkpoint(
         return
     path = Path(cfg.path).expanduser()
     if path.is_dir() and release_model_type(path) == TINY_MODEL_TYPE:
-        return _check_tiny_folder(path, cfg, action_dim)
+        return _check_tiny_folder(path, cfg, action_dim, state_dim)
     folders = checkpoint_folders(cfg)
     field = folders.release_field
     model_type = _read_json(folders.release / CONFIG_FILE, field).get("model_type")
@@ -234,8 +239,9 @@ def check_checkpoint(
         )
 
 
-def _check_tiny_folder(folder: Path, cfg: VLAConfig, action_dim: Optional[int]) -> None:
-    """A tiny policy's saved folder (vla/tiny.py): its recorded type, chunk and action size against the spec's."""
+def _check_tiny_folder(folder: Path, cfg: VLAConfig, action_dim: Optional[int], state_dim: Optional[int]) -> None:
+    """A tiny policy's saved folder (vla/tiny.py): its recorded type and chunk against the spec's, its action and
+    state sizes against the environment's (where known)."""
     recipe = _read_json(folder / CONFIG_FILE, "model.path").get("build_tiny")
     if not isinstance(recipe, dict):
         raise CheckpointError("model.path", f"{folder / CONFIG_FILE} records no build_tiny arguments")
@@ -244,6 +250,8 @@ def _check_tiny_folder(folder: Path, cfg: VLAConfig, action_dim: Optional[int]) 
     checks = [("model.type", "kind", cfg.type), ("model.action_chunk", "action_chunk", cfg.action_chunk)]
     if action_dim is not None:
         checks.append(("model.action_dim", "action_dim", action_dim))
+    if state_dim is not None:  # the proprio projector's input: the environment's state size
+        checks.append(("env.obs.state", "state_dim", state_dim))
     for field, key, wanted in checks:
         if recipe.get(key) != wanted:
             raise CheckpointError(field, f"is {wanted!r} but the policy in {folder} was saved with {recipe.get(key)!r}")

@@ -17,7 +17,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import nn
 
-from vlaslurm.models.checkpoint import CheckpointError
+from vlaslurm.models.checkpoint import check_checkpoint
 from vlaslurm.models.prismatic.actions import DatasetStats
 from vlaslurm.models.prismatic.lora import LoraSettings, apply_lora, load_adapter
 from vlaslurm.models.prismatic.oft import (
@@ -69,8 +69,8 @@ def build(cfg: VLAConfig, action_dim: int, state_dim: int, image_size: int, num_
     if cfg.path and is_released_checkpoint(cfg.path):
         return build_released(cfg, action_dim, state_dim, image_size, num_cameras)
     if cfg.path:
+        check_checkpoint(cfg, action_dim, state_dim=state_dim)  # the checks `plan` makes, with the env's sizes
         policy = load_tiny(Path(cfg.path).expanduser())
-        _check_fits(policy, cfg, action_dim, state_dim)
     else:
         policy = build_tiny(
             cfg.type,  # type: ignore[arg-type]  # the registry maps only these two types here
@@ -105,16 +105,6 @@ def _oft_fields(cfg: VLAConfig) -> dict:
     return dict(head=cfg.head, std=cfg.std, init_std=cfg.init_std, final_std=cfg.final_std)
 
 
-def _check_fits(policy: VLAPolicy, cfg: VLAConfig, action_dim: int, state_dim: int) -> None:
-    """A saved tiny policy must be of the spec's type and fit the environment and the spec's chunk."""
-    recipe = policy.recipe or {}
-    expected = {"kind": cfg.type, "action_chunk": cfg.action_chunk, "action_dim": action_dim, "state_dim": state_dim}
-    wrong = {key: (recipe.get(key), want) for key, want in expected.items() if recipe.get(key) != want}
-    if wrong:
-        details = ", ".join(f"{key}: saved {got}, needed {want}" for key, (got, want) in wrong.items())
-        raise CheckpointError("model.path", f"the policy in {cfg.path} does not fit this run ({details})")
-
-
 def deferred_release(cfg: VLAConfig) -> Optional[ReleaseWeights]:
     """The release a sharded trainer can read slice by slice: a release folder in `model.path` without LoRA (LoRA
     under fsdp is refused at load; an adapter folder's base is loaded whole). None otherwise."""
@@ -132,7 +122,7 @@ def build_released(
     """The policy of `cfg.path` (a release folder, or an adapter folder over `cfg.base_path`) on the CPU. Without
     `load_vla` the VLA stays on the meta device (its heads are real): for a trainer that shards it and then reads
     each rank's slices (`deferred_release`)."""
-    from vlaslurm.models.checkpoint import check_checkpoint, checkpoint_folders
+    from vlaslurm.models.checkpoint import checkpoint_folders
 
     # What plan checked, now against the environment's own sizes (plan knows them only for some env types).
     check_checkpoint(cfg, action_dim, state=state_dim > 0, images=num_cameras > 0 and image_size > 0)
