@@ -52,6 +52,16 @@ def pytest_xdist_node_collection_finished(node, ids: List[str]) -> None:
         )
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread_per_worker() -> None:
+    """Under pytest-xdist (`.ci/test`: two workers on two cores) a test computes on one torch thread: two threads
+    per worker oversubscribe the cores, and OpenMP's barriers then wait for descheduled threads (a micro-batch test
+    took 25 s instead of 3 beside busy processes). Reset before every test: a library call may change it (the
+    placement profiler takes a rank's CPUs)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+
+
 @pytest.fixture
 def package_warnings() -> Iterator[List[str]]:
     """Warnings (and worse) of vlaslurm's loggers during the test. The package logger does not propagate to the

@@ -30,8 +30,6 @@ from vlaslurm.models.prismatic.lora import (
 from vlaslurm.models.prismatic.release import build_vla, tiny_release_config
 from vlaslurm.models.prismatic.vla import PrismaticVLA
 
-torch.set_num_threads(2)
-
 Q_PROJ = "language_model.model.layers.0.self_attn.q_proj"
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # RLinf's LoRA target list (rlinf/models/__init__.py), applied to the whole model, less "out_proj": RLinf shares the

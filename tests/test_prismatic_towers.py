@@ -26,7 +26,6 @@ from vlaslurm.models.prismatic.vit import (
     tower_configs,
 )
 
-torch.set_num_threads(2)
 TIMM_IDS = ["vit_large_patch14_reg4_dinov2.lvd142m", "vit_so400m_patch14_siglip_224"]
 TINY_OVERRIDES = [{"embed_dim": 32, "depth": 4, "num_heads": 2}, {"embed_dim": 48, "depth": 4, "num_heads": 3}]
 Shapes = Dict[str, Tuple[int, ...]]
