@@ -16,7 +16,17 @@ from vlaslurm.placement.simulate import Candidate, Pipeline, Workload, _Env, _Re
 from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime.roles.generator import Batcher, Pending
 from vlaslurm.runtime.roles.trainer import Collector
-from vlaslurm.runtime.schedule import GROUP_WAIT_S, Async, Pipelined, Schedule, Sync, complete_groups
+from vlaslurm.runtime.schedule import (
+    GROUP_WAIT_S,
+    SILENCE_FLOOR_S,
+    SILENCE_GAPS,
+    ArrivalGaps,
+    Async,
+    Pipelined,
+    Schedule,
+    Sync,
+    complete_groups,
+)
 from vlaslurm.spec.algo_types import GRPOConfig, PPOConfig
 from vlaslurm.spec.schema import BatchingConfig, RolloutConfig
 
@@ -178,6 +188,8 @@ def test_a_full_batch_waits_for_groups_in_play_that_would_go_stale_next_update()
     # Usable by the update of version 1, dropped by that of version 2: wait for the group, within GROUP_WAIT_S.
     assert s.awaits_groups(buffer, version=1, held_s=0.0)
     assert not s.awaits_groups(buffer, version=1, held_s=GROUP_WAIT_S)  # a member may be lost: go on
+    assert s.awaits_groups(buffer, version=1, held_s=0.9, silent_s=0.9, silence_s=1.0)
+    assert not s.awaits_groups(buffer, version=1, held_s=1.0, silent_s=1.0, silence_s=1.0)  # the generators hold
     assert not s.awaits_groups(buffer, version=0, held_s=0.0)  # still usable by the next update
     assert not s.awaits_groups(buffer, version=2, held_s=0.0)  # already past the bound: no wait mends it
     assert not s.awaits_groups(whole, version=1, held_s=0.0)  # nothing in play
@@ -186,6 +198,27 @@ def test_a_full_batch_waits_for_groups_in_play_that_would_go_stale_next_update()
     take = s.take(done, version=1)
     assert [x.env_id for x in take.used] == [2, 3, 3, 2]  # the group that would go stale, whole, fills the batch
     assert [x.env_id for x in take.rest] == [0, 1]  # group 0 stays usable: the next update's
+
+
+def test_the_usual_gap_between_arrivals_sets_the_silence_that_ends_a_group_wait() -> None:
+    gaps = ArrivalGaps()
+    assert gaps.silence_s() == GROUP_WAIT_S  # no gap known yet
+    t = 0.0
+    for _ in range(40):
+        t += 0.05
+        gaps.arrived(t)
+        gaps.arrived(t)  # at the same instant (the simulation's events): one arrival
+    assert gaps.silence_s() == pytest.approx(SILENCE_GAPS * 0.05)
+    gaps.arrived(t + 30.0)  # an update away from the inbox: one long gap, the median stays
+    assert gaps.silence_s() == pytest.approx(SILENCE_GAPS * 0.05)
+    for _ in range(64):  # only the recent gaps count
+        t += 0.001
+        gaps.arrived(t + 30.0)
+    assert gaps.silence_s() == SILENCE_FLOOR_S  # 20 ms of silence is no sign on a loaded machine
+    slow = ArrivalGaps()
+    for i in range(5):
+        slow.arrived(2.0 * i)  # a slow simulator's seconds between arrivals
+    assert slow.silence_s() == GROUP_WAIT_S
 
 
 def group(g: int, version: int) -> list:
@@ -225,6 +258,42 @@ def test_the_trainer_role_waits_for_a_group_in_play_then_takes_it_whole(tmp_path
     assert not col.ready(2)
     clock.now += GROUP_WAIT_S
     assert col.ready(2)
+
+
+def test_the_trainer_role_and_the_simulation_end_a_group_wait_after_the_same_silence(tmp_path, monkeypatch) -> None:
+    """Every generator holds (nothing arrives): the groups in play cannot end, so the wait ends after a silence of
+    SILENCE_GAPS usual gaps between arrivals, long before GROUP_WAIT_S, in the role and its simulation alike."""
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr("vlaslurm.runtime.roles.trainer.time.monotonic", lambda: clock.now)
+    p = pipeline("async", sims=1, gens=1, staleness=1, spu=4, group=2, policy="hold")
+    col = collector(
+        tmp_path,
+        rollout("async", staleness=1, policy="hold"),
+        GRPOConfig(type="grpo", steps_per_update=4, group_size=2),
+    )
+    gap = 0.04  # the usual gap: the wait ends after 20 x 0.04 = 0.8 s of silence
+    trace = [
+        (2, 0, 0, 1, 0, False),  # group 1's episode began under version 0 (cut at the version change)
+        (0, 0, 0, 3, 1, True),
+        (3, 0, 0, 1, 0, False),
+        (2, 0, 1, 1, 1, False),
+        (1, 0, 0, 3, 1, True),  # group 0 whole: a full batch at version 1; group 1 in play would go stale next
+    ]
+    p.version = 1
+    for i, (env_id, episode, index, steps, version, done) in enumerate(trace):
+        clock.now = p.now = 100.0 + i * gap
+        deliver(col, msgs.encode_segment(segment(env_id, episode, index, steps, version, done)))
+        e = _Env(env_id, 0, 0, 10)
+        e.episode, e.seg_index, e.seg_v, e.seg_steps = episode, index, version, steps
+        p.segment(_Seg(e, steps, done))
+    last = clock.now
+    silence = SILENCE_GAPS * gap
+    assert col.arrivals.silence_s() == p.arrivals.silence_s() == pytest.approx(silence)
+    for t, ends in [(last + silence - 0.01, False), (last + silence, True)]:
+        clock.now = p.now = t
+        assert col.ready(1) == p._ready() == ends, t - last
+    # the simulation woke at that instant to take the batch, as the role's loop does
+    assert any(t == pytest.approx(last + silence) and fn == p.update for t, _, fn, _ in p._heap)
 
 
 # ---------------------------------------------------------------------------- one trace, two paths

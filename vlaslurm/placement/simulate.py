@@ -18,7 +18,7 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple, cast
 import numpy as np
 
 from vlaslurm.placement.costs import Costs
-from vlaslurm.runtime.schedule import GROUP_WAIT_S, Pipelined, Schedule
+from vlaslurm.runtime.schedule import GROUP_WAIT_S, ArrivalGaps, Pipelined, Schedule
 from vlaslurm.spec.schema import BatchingConfig, Mode, RolloutConfig, StalePolicy
 
 MAX_SEGMENT_STEPS = 64  # the simulator's segment length cap (runtime/roles/simulator.py)
@@ -251,6 +251,7 @@ class Pipeline:
         self.phase_ends: Dict[int, int] = {}
         self.train_busy = False
         self.full_since: Optional[float] = None  # as the trainer role's `Collector.full_since`
+        self.arrivals = ArrivalGaps()  # and its `arrivals`
         self.train_busy_s = 0.0
         self.env_busy_s = 0.0
         self.env_steps = 0  # instance steps the simulators executed
@@ -555,7 +556,10 @@ class Pipeline:
         self.buffer.append(seg)
         self.buffered += seg.steps
         self.received += seg.steps
+        self.arrivals.arrived(self.now)
         self.update()
+        if self.full_since is not None:  # waiting for groups in play: the wait's end, should nothing come before it
+            self.at(self.now + self.arrivals.silence_s(), self.update)
         self._recredit()
 
     def phase_end(self, version: int) -> None:
@@ -572,7 +576,8 @@ class Pipeline:
         if self.full_since is None:
             self.full_since = self.now
             self.at(self.now + GROUP_WAIT_S, self.update)  # the wait's end, should no segment come before it
-        return not self.sched.awaits_groups(self.buffer, self.version, self.now - self.full_since)
+        held_s, silent_s = self.now - self.full_since, self.now - (self.arrivals.last or self.now)
+        return not self.sched.awaits_groups(self.buffer, self.version, held_s, silent_s, self.arrivals.silence_s())
 
     def _waiting_slots(self) -> int:
         """Whole groups: the buffered slots no batch can use yet, credited to the hold budget while the

@@ -9,8 +9,10 @@ deterministic, and called alike by `runtime/roles` and `placement/simulate.py`.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
-from typing import ClassVar, Dict, Generic, Iterable, List, Optional, Protocol, Sequence, Tuple, Type, TypeVar
+from typing import ClassVar, Deque, Dict, Generic, Iterable, List, Optional, Protocol, Sequence, Tuple, Type, TypeVar
 
 from vlaslurm.spec.schema import ExperimentSpec, RolloutConfig
 
@@ -18,6 +20,36 @@ TIME_EPS = 1e-12  # a batch's max_wait is over at its due time, whatever the flo
 # The longest a trainer with a full batch waits for GRPO groups still in play (`awaits_groups`): they end within
 # an episode, unless a member is lost (its simulator restarted), which no wait mends.
 GROUP_WAIT_S = 5.0
+# The wait ends sooner once nothing has arrived for SILENCE_GAPS usual gaps between arrivals (`ArrivalGaps`), and
+# at least SILENCE_FLOOR_S (a loaded machine's scheduling hiccup): then every generator holds (its budget spent on
+# what the trainer's batch already has), so the groups in play cannot end before the update; waiting out
+# GROUP_WAIT_S left async GRPO's trainer idle 40% of a run (docs/runtime.md).
+SILENCE_GAPS = 20
+SILENCE_FLOOR_S = 0.5
+
+
+class ArrivalGaps:
+    """The trainer's recent gaps between arrivals of data, whose median is the usual gap (one long gap, an update
+    the trainer spent away from its inbox, does not move it)."""
+
+    def __init__(self, keep: int = 63) -> None:
+        self.gaps: Deque[float] = deque(maxlen=keep)
+        self.last: Optional[float] = None
+
+    def arrived(self, now: float) -> None:
+        """Data arrived at `now`; what arrives at one instant (the simulation's events) is one arrival, as what
+        the trainer role takes from its inbox in one turn."""
+        if self.last is not None and now > self.last:
+            self.gaps.append(now - self.last)
+        self.last = now
+
+    def silence_s(self) -> float:
+        """How long a silence ends a wait for groups in play: SILENCE_GAPS usual gaps, within
+        [SILENCE_FLOOR_S, GROUP_WAIT_S]; GROUP_WAIT_S until gaps are known."""
+        if not self.gaps:
+            return GROUP_WAIT_S
+        usual = statistics.median(self.gaps)
+        return min(GROUP_WAIT_S, max(SILENCE_FLOOR_S, SILENCE_GAPS * usual))
 
 
 class SegmentFacts(Protocol):
@@ -216,12 +248,20 @@ class Schedule:
             return sum(s.steps for s in whole) >= self.steps_per_update
         return True
 
-    def awaits_groups(self, buffer: Sequence[SegmentFacts], version: int, held_s: float) -> bool:
+    def awaits_groups(
+        self,
+        buffer: Sequence[SegmentFacts],
+        version: int,
+        held_s: float,
+        silent_s: float = 0.0,
+        silence_s: float = GROUP_WAIT_S,
+    ) -> bool:
         """Whole groups, a full batch buffered for the update of `version`: whether to wait (for at most
-        GROUP_WAIT_S, `held_s` so far) for the groups still in play whose oldest segment this update may use and
-        the next may not (a group is used whole). Their episodes span version changes: taken now such a group is
-        used; taken by the next update it is dropped (12-14% of env steps in the quickstart's GRPO)."""
-        if not self.whole_groups or held_s >= GROUP_WAIT_S:
+        GROUP_WAIT_S, `held_s` so far; and until nothing has arrived for `silence_s`, `ArrivalGaps.silence_s`,
+        `silent_s` so far) for the groups still in play whose oldest segment this update may use and the next may
+        not (a group is used whole). Their episodes span version changes: taken now such a group is used; taken by
+        the next update it is dropped (12-14% of env steps in the quickstart's GRPO)."""
+        if not self.whole_groups or held_s >= GROUP_WAIT_S or silent_s >= silence_s:
             return False
         _, in_play = complete_groups(buffer, self.group_size)
         oldest = [min(s.version for s in members) for members in by_group(in_play, self.group_size)]

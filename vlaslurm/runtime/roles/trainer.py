@@ -37,7 +37,7 @@ from vlaslurm.runtime.failures import FailureKeeper
 from vlaslurm.runtime.ledger import Ledger
 from vlaslurm.runtime.offload import Offloader, OffloadReporter, OffloadReports, offloads
 from vlaslurm.runtime.periodic_eval import PeriodicEval
-from vlaslurm.runtime.schedule import Schedule
+from vlaslurm.runtime.schedule import ArrivalGaps, Schedule
 from vlaslurm.runtime.sharded import (
     Command,
     build_sharded_policy,
@@ -122,6 +122,7 @@ class Collector:
         self.full_since: Optional[float] = None  # when the buffer last came to hold a full batch (`ready`)
         self.started = time.monotonic()
         self.last_arrival = time.monotonic()
+        self.arrivals = ArrivalGaps()  # when a wait for groups in play is over (`ready`)
         self._last_ctl = 0.0
         self._version = 0
         self.taken = -1  # newest version whose phase is over (its batch taken): collocated generators leave the GPU
@@ -209,6 +210,7 @@ class Collector:
         msg = self.pull.recv(timeout_ms)
         if msg is not None:
             self.last_arrival = time.monotonic()
+            self.arrivals.arrived(self.last_arrival)
         while msg is not None:
             if msg.kind == msgs.SIM_RESTART:
                 self._restarted(int(msg.meta["sim_rank"]), int(msg.meta["incarnation"]))
@@ -287,9 +289,11 @@ class Collector:
         if not full:
             self.full_since = None
             return False
+        now = time.monotonic()
         if self.full_since is None:
-            self.full_since = time.monotonic()
-        return not self.schedule.awaits_groups(self.buffer, version, time.monotonic() - self.full_since)
+            self.full_since = now
+        held_s, silent_s = now - self.full_since, now - self.last_arrival
+        return not self.schedule.awaits_groups(self.buffer, version, held_s, silent_s, self.arrivals.silence_s())
 
     def take(self, version: int) -> List[msgs.Segment]:
         """The next batch (`Schedule.take`); segments past the staleness bound are dropped and counted."""
