@@ -335,7 +335,7 @@ def test_plan_refuses_a_saved_tiny_policy_of_another_state_size(tmp_path):
     proc = vlaslurm("plan", str(spec), runs_root=tmp_path / "runs", env={"VLASLURM_SITE": "none"})
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert "Traceback" not in proc.stderr
-    assert "env.obs.state" in proc.stderr and "is 2 but the policy" in proc.stderr and "saved with 8" in proc.stderr
+    assert "env.obs.state: the environment gives 2 state values" in proc.stderr and "saved with 8" in proc.stderr
 
 
 def test_plan_refuses_a_checkpoint_for_another_robot(folders, tmp_path):

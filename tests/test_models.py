@@ -109,9 +109,10 @@ def test_a_saved_policy_that_does_not_fit_names_the_field(kind, tmp_path):
         check_checkpoint(model_cfg(kind, path=str(tmp_path)), action_dim=3)
     with pytest.raises(CheckpointError, match="model.action_dim: is 3 but the policy .* saved with 2"):
         build(kind, action_dim=3, path=str(tmp_path))  # the runtime's build makes plan's check
-    with pytest.raises(CheckpointError, match="env.obs.state: is 8 but the policy .* saved with 2"):
+    state_mismatch = "env.obs.state: the environment gives 8 state values but the policy .* saved with 2"
+    with pytest.raises(CheckpointError, match=state_mismatch):
         check_checkpoint(model_cfg(kind, path=str(tmp_path)), state_dim=8)
-    with pytest.raises(CheckpointError, match="env.obs.state: is 8 but the policy .* saved with 2"):
+    with pytest.raises(CheckpointError, match=state_mismatch):
         build_policy(model_cfg(kind, path=str(tmp_path)), action_dim=2, state_dim=8, image_size=32, num_cameras=1)
     other = "openvla" if kind == "openvla-oft" else "openvla-oft"
     with pytest.raises(CheckpointError, match="model.type: is '.*' but the policy .* saved with"):

@@ -247,14 +247,17 @@ def _check_tiny_folder(folder: Path, cfg: VLAConfig, action_dim: Optional[int], 
         raise CheckpointError("model.path", f"{folder / CONFIG_FILE} records no build_tiny arguments")
     if not any(p.is_file() for p in folder.glob(f"*{WEIGHTS_SUFFIX}")):
         raise CheckpointError("model.path", f"folder {str(folder)!r} holds no weights (*{WEIGHTS_SUFFIX})")
-    checks = [("model.type", "kind", cfg.type), ("model.action_chunk", "action_chunk", cfg.action_chunk)]
+    checks = [
+        ("model.type", "kind", cfg.type, f"is {cfg.type!r}"),
+        ("model.action_chunk", "action_chunk", cfg.action_chunk, f"is {cfg.action_chunk!r}"),
+    ]
     if action_dim is not None:
-        checks.append(("model.action_dim", "action_dim", action_dim))
-    if state_dim is not None:  # the proprio projector's input: the environment's state size
-        checks.append(("env.obs.state", "state_dim", state_dim))
-    for field, key, wanted in checks:
+        checks.append(("model.action_dim", "action_dim", action_dim, f"is {action_dim!r}"))
+    if state_dim is not None:  # the proprio projector's input: the environment's state size (the field is a bool)
+        checks.append(("env.obs.state", "state_dim", state_dim, f"the environment gives {state_dim} state values"))
+    for field, key, wanted, spec_side in checks:
         if recipe.get(key) != wanted:
-            raise CheckpointError(field, f"is {wanted!r} but the policy in {folder} was saved with {recipe.get(key)!r}")
+            raise CheckpointError(field, f"{spec_side} but the policy in {folder} was saved with {recipe.get(key)!r}")
 
 
 def _check_pi0_folder(folder: Path, vision: str) -> None:
