@@ -30,7 +30,7 @@ def missing_slurm_binaries() -> list:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
-    """Under pytest-xdist (`.ci/test` runs two workers, `--dist loadgroup`): every file's tests stay on one
+    """Under pytest-xdist (`.ci/test` runs three workers, `--dist loadgroup`): every file's tests stay on one
     worker, so a module's shared runs are made once, and every Slurm test goes to one worker, so that jobs
     queue against each other's deadlines only as they do in a serial run."""
     for item in items:
@@ -54,7 +54,7 @@ def pytest_xdist_node_collection_finished(node, ids: List[str]) -> None:
 
 @pytest.fixture(autouse=True)
 def _one_torch_thread_per_worker() -> None:
-    """Under pytest-xdist (`.ci/test`: two workers on two cores) a test computes on one torch thread: two threads
+    """Under pytest-xdist (`.ci/test`: three workers on two cores) a test computes on one torch thread: two threads
     per worker oversubscribe the cores, and OpenMP's barriers then wait for descheduled threads (a micro-batch test
     took 25 s instead of 3 beside busy processes). Reset before every test: a library call may change it (the
     placement profiler takes a rank's CPUs)."""
