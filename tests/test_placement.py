@@ -598,9 +598,11 @@ def test_profile_measures_cpu_seconds_and_the_runtime_overhead(measured) -> None
     assert gaps[0] == 0.0 and len(transport["idle_round_trip_s"]) == len(gaps) > 3
     waits = [costs.wake_after_s(g) for g in gaps]
     assert waits == sorted(waits) and costs.wake_after_s(10.0) == waits[-1]
-    assert waits[-1] == pytest.approx(
-        max(0.0, max(transport["idle_round_trip_s"]) - transport["idle_round_trip_s"][0]), abs=1e-3
-    )
+    # The curve is the measurements' isotonic fit: its plateau lies between the last gap's extra latency and the
+    # largest one (equal to the largest only when no shorter gap measured more, which load breaks: 4.5 ms fitted
+    # against 5.6 ms measured beside two busy loops).
+    rtts = transport["idle_round_trip_s"]
+    assert max(0.0, rtts[-1] - rtts[0]) - 1e-9 <= waits[-1] <= max(0.0, max(rtts) - rtts[0]) + 1e-9
     assert transport["client_cpu_s"] == pytest.approx(transport["client_send_cpu_s"] + transport["client_recv_cpu_s"])
     assert costs.reply_s == over["sim_reply_cpu_s"]
     assert transport["client_recv_cpu_s"] < costs.reply_s <= costs.message_s
