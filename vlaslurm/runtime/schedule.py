@@ -35,21 +35,21 @@ class ArrivalGaps:
     def __init__(self, keep: int = 63) -> None:
         self.gaps: Deque[float] = deque(maxlen=keep)
         self.last: Optional[float] = None
+        self._silence_s = GROUP_WAIT_S  # `silence_s`, recomputed only when a gap comes (it is asked far more often)
 
     def arrived(self, now: float) -> None:
         """Data arrived at `now`; what arrives at one instant (the simulation's events) is one arrival, as what
         the trainer role takes from its inbox in one turn."""
         if self.last is not None and now > self.last:
             self.gaps.append(now - self.last)
+            usual = statistics.median(self.gaps)
+            self._silence_s = min(GROUP_WAIT_S, max(SILENCE_FLOOR_S, SILENCE_GAPS * usual))
         self.last = now
 
     def silence_s(self) -> float:
         """How long a silence ends a wait for groups in play: SILENCE_GAPS usual gaps, within
         [SILENCE_FLOOR_S, GROUP_WAIT_S]; GROUP_WAIT_S until gaps are known."""
-        if not self.gaps:
-            return GROUP_WAIT_S
-        usual = statistics.median(self.gaps)
-        return min(GROUP_WAIT_S, max(SILENCE_FLOOR_S, SILENCE_GAPS * usual))
+        return self._silence_s
 
 
 class SegmentFacts(Protocol):

@@ -121,8 +121,7 @@ class Collector:
         self.window: List[bool] = []  # success of episodes finished since the last report
         self.full_since: Optional[float] = None  # when the buffer last came to hold a full batch (`ready`)
         self.started = time.monotonic()
-        self.last_arrival = time.monotonic()
-        self.arrivals = ArrivalGaps()  # when a wait for groups in play is over (`ready`)
+        self.arrivals = ArrivalGaps()  # when data last came, and when a wait for groups in play is over (`ready`)
         self._last_ctl = 0.0
         self._version = 0
         self.taken = -1  # newest version whose phase is over (its batch taken): collocated generators leave the GPU
@@ -132,6 +131,11 @@ class Collector:
         self.incarnations: Dict[int, int] = {}  # sim rank -> newest incarnation heard from
         self.discarded = 0  # segments of a restarted simulator's dead incarnation, thrown away
         self._boundary: Tuple = ()
+
+    @property
+    def last_arrival(self) -> float:
+        """When data last came (the start, before any)."""
+        return self.started if self.arrivals.last is None else self.arrivals.last
 
     def mark_boundary(self, version: int) -> None:
         """Remember the counters as they are between two updates: what a checkpoint of `version` holds."""
@@ -209,8 +213,7 @@ class Collector:
     def receive(self, timeout_ms: int) -> None:
         msg = self.pull.recv(timeout_ms)
         if msg is not None:
-            self.last_arrival = time.monotonic()
-            self.arrivals.arrived(self.last_arrival)
+            self.arrivals.arrived(time.monotonic())
         while msg is not None:
             if msg.kind == msgs.SIM_RESTART:
                 self._restarted(int(msg.meta["sim_rank"]), int(msg.meta["incarnation"]))
