@@ -586,7 +586,8 @@ def test_profile_measures_cpu_seconds_and_the_runtime_overhead(measured) -> None
     # The per-decision work is charged as the roles' own work, and not again inside the hop.
     assert costs.message_s == over["sim_request_cpu_s"] and costs.request_s == over["gen_serve_cpu_s"]
     assert costs.batch_s == costs.cpu.wake_s == over["gen_wake_cpu_s"]
-    assert costs.hop_s < profile["transport"]["hop_s"]
+    # Against the same series (the round trip right after the last one): two series differ beside other load.
+    assert costs.hop_s < transport["idle_round_trip_s"][0] / 2
     pred = simulate(
         Candidate("async", "disaggregated", 1, 1, 1, 1, 8, 0), Workload.from_spec(loaded.spec), costs, updates=6
     )

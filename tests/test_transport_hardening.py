@@ -86,11 +86,16 @@ def recorded_push(message: Message, channel: str) -> list[bytes]:
 
 
 def replay(frames: list[bytes], endpoint: str, kind: int = zmq.PUSH, times: int = 1) -> None:
+    replay_in_order([frames] * times, endpoint, kind)
+
+
+def replay_in_order(messages: list[list[bytes]], endpoint: str, kind: int = zmq.PUSH) -> None:
+    """`messages` through one connection, so they arrive in this order (a PULL fair-queues between connections)."""
     sock = raw_socket(kind)
-    sock.setsockopt(zmq.LINGER, 2000)
+    sock.setsockopt(zmq.LINGER, 10_000)  # delivered in the background, even to a slow peer
     try:
         sock.connect(endpoint)
-        for _ in range(times):
+        for frames in messages:
             sock.send_multipart(frames)
     finally:
         sock.close()
@@ -470,8 +475,8 @@ def test_a_running_job_survives_replays_wrong_kinds_and_counts_them(tmp_path: Pa
         key = channel_key(secret, segments)
         session = os.urandom(16)
         report = [encode(offloaded(10_000 + n), key, channel=segments, session=session, seq=n) for n in (2000, 1)]
-        replay(report[0], intake, times=2)  # once taken (a harmless report), once a replay
-        replay(report[1], intake)  # far below the newest of its session
+        # Once taken (a harmless report), once a replay, then one far below the newest of its session.
+        replay_in_order([report[0], report[0], report[1]], intake)
 
         for endpoint, kind in ((gen_endpoint, zmq.DEALER), (intake, zmq.PUSH)):
             replay([bytes(32 << 20)], endpoint, kind)  # well past the spec's bound: refused unread
