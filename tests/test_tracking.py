@@ -413,3 +413,29 @@ def test_failed_episodes_frames_are_logged_as_artifacts(server, tmp_path):
     for name in local:  # each GIF is the end of an episode the ledger records as failed
         row = ledger.loc[name[: -len(".gif")]]
         assert (row.terminated or row.truncated) and not row.success, row
+
+
+@pytest.mark.slow
+def test_a_run_that_reaches_stop_at_success_ends_early_and_finished(server, tmp_path):
+    """`rollout.stop_at_success`: the synthetic env succeeds half of its episodes, so a target of 0.2 over 3 reports
+    is reached within a few updates of a run whose total would take far longer: it ends there, saves its final
+    summary with why, and its MLflow run is FINISHED, not KILLED as a run drained short of its total is."""
+    total = 20_000
+    run_dir, _ = run(
+        tmp_path,
+        "target",
+        f"tracking.uri={server.uri}",
+        "tracking.experiment=trk",
+        "rollout.stop_at_success=0.2",
+        "rollout.stop_window=3",
+        total=total,
+    )
+    final = json.loads((run_dir / "final.json").read_text())
+    assert final["ended_by"] == "rollout.stop_at_success" and final["env_steps"] <= total // 10, final
+    rows = [row for row in metrics_lines(run_dir) if row["rollout/episodes"] > 0]
+    last = rows[-3:]
+    wins = sum(r["rollout/success_rate"] * r["rollout/episodes"] for r in last)
+    rate = wins / sum(r["rollout/episodes"] for r in last)
+    assert len(rows) >= 3 and rate >= 0.2 and metrics_lines(run_dir)[-1]["env_steps"] <= final["env_steps"]
+    assert "reached rollout.stop_at_success 0.2" in (run_dir / "logs" / "trainer" / "0.log").read_text()
+    assert client(server.uri).get_run(read_run_id(run_dir)).info.status == "FINISHED"

@@ -56,6 +56,12 @@ class RolloutConfig:
         "usable until the next one.",
     )
     total_env_steps: int = doc(100_000, "Env steps after which the run ends.")
+    stop_at_success: Optional[float] = doc(
+        None,
+        "End the run sooner, once the success rate over the episodes of the last stop_window progress reports "
+        "(those with finished episodes) reaches this, in (0, 1]; None = run to total_env_steps.",
+    )
+    stop_window: int = doc(3, "Progress reports with finished episodes that stop_at_success's rate spans.")
     seed: int = doc(0, "Seed of environments, models and sampling.")
     batching: BatchingConfig = field(default_factory=BatchingConfig, metadata={"doc": "Dynamic batching."})
 

@@ -33,6 +33,7 @@ _MAXIMA = {
     "env.num_envs": 10_000_000,
     "env.max_episode_steps": 10_000_000,
     "rollout.total_env_steps": 10**15,
+    "rollout.stop_window": 10_000,
     "rollout.pipeline_depth": 1_024,
     "rollout.batching.max_batch": 1_000_000,
     "model.action_chunk": 4_096,
@@ -56,6 +57,7 @@ def validate(loaded: LoadedSpec) -> None:
         _check_algo,
         _check_algo_knobs,
         _check_publish_every,
+        _check_stop_at_success,
         _check_hold_budget,
         _check_reset_seeds,
         _check_resources,
@@ -115,6 +117,7 @@ def _check_counts(loaded: LoadedSpec) -> None:
             "env.num_envs",
             "env.max_episode_steps",
             "rollout.total_env_steps",
+            "rollout.stop_window",
             "rollout.pipeline_depth",
             "rollout.batching.max_batch",
             "model.action_chunk",
@@ -348,6 +351,14 @@ def _check_algo_knobs(loaded: LoadedSpec) -> None:
         raise loaded.error("algo.kl_coef", f"must be at least 0 (0 = no KL penalty), got {algo.kl_coef}")
     if not algo.reward_scale > 0:
         raise loaded.error("algo.reward_scale", f"must be greater than 0, got {algo.reward_scale}")
+
+
+def _check_stop_at_success(loaded: LoadedSpec) -> None:
+    target = loaded.spec.rollout.stop_at_success
+    if target is not None and not 0.0 < target <= 1.0:
+        raise loaded.error(
+            "rollout.stop_at_success", f"is a success rate: must be in (0, 1], or null to run on, got {target}"
+        )
 
 
 def _check_publish_every(loaded: LoadedSpec) -> None:

@@ -399,8 +399,11 @@ class Tracker:
         return steps
 
     def _final_status(self, step: int) -> str:
+        """FINISHED for a run that reached its total or wrote its final summary (one that reached
+        rollout.stop_at_success ends short of the total), else KILLED (drained before a requeue)."""
         total = spec_params(self.run_dir).get("rollout.total_env_steps")
-        return "FINISHED" if total is None or step >= int(total) else "KILLED"
+        ended = total is None or step >= int(total) or RunDir(self.run_dir).final.exists()
+        return "FINISHED" if ended else "KILLED"
 
     def _sent_state(self) -> Dict[str, int]:
         """The last metrics line and evals-log line an earlier tracker of this run sent (0 when none)."""

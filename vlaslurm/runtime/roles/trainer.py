@@ -47,6 +47,7 @@ from vlaslurm.runtime.sharded import (
     send_command,
     send_meta,
 )
+from vlaslurm.runtime.stopping import SuccessTarget
 from vlaslurm.runtime.transport import Pub, Pull, rejection_counts
 from vlaslurm.runtime.weights import DEFAULT_BUCKET_BYTES, make_publisher
 from vlaslurm.spec.algo_types import AlgoConfig
@@ -119,6 +120,7 @@ class Collector:
         self.heartbeat = Heartbeat(ctx.run_dir, "trainer", 0)
         self.failures = FailureKeeper(ctx.run_dir, cfg.tracking.failures_per_task)
         self.window: List[bool] = []  # success of episodes finished since the last report
+        self.target = SuccessTarget(cfg.rollout.stop_at_success, cfg.rollout.stop_window)  # an early end
         self.full_since: Optional[float] = None  # when the buffer last came to hold a full batch (`ready`)
         self.started = time.monotonic()
         self.arrivals = ArrivalGaps()  # when data last came, and when a wait for groups in play is over (`ready`)
@@ -348,6 +350,7 @@ class Collector:
             row["staleness/mean"],
             self.dropped,
         )
+        self.target.add(sum(self.window), len(self.window))
         self.window = []
         self.counters.add("updates")
         self.counters.busy(update_s)
@@ -663,7 +666,9 @@ def lead(
             # Lock-step simulators wait for the next version as long as this beats (simulator.wait_version).
             with col.heartbeat.during(version, f"env_steps={col.received_steps} updating"):
                 run_update(cfg, ctx, policy, learner, col, offloader, dp, src, used, version)
-                if col.received_steps >= cfg.rollout.total_env_steps:
+                if col.received_steps >= cfg.rollout.total_env_steps or col.target.reached:
+                    if col.target.reached:
+                        log.info("stopping at %d env steps: %s", col.received_steps, col.target.describe())
                     if shards is not None:
                         shards.tell(Command())  # the followers wait for a command after every update
                     break
@@ -690,11 +695,11 @@ def lead(
         col.drain(version, deadline_s=2.0 if drained else None)
         col.close()
         evals.close(wait_s=0.0 if drained else ctx.deadlines.running_s)  # before the tracker: its result is sent
-        tracker.close()
+        tracker.close(status="FINISHED" if finished and col.target.reached else None)  # short of the total
         publisher.close()
     if drained:
         return signals.REQUEUE_EXIT
-    _save_final(policy if final is None else unsharded_policy(cfg, ctx, final), ctx, version + 1)
+    _save_final(policy if final is None else unsharded_policy(cfg, ctx, final), ctx, version + 1, col)
     log.info(
         "finished: %d env steps, %d versions, %d segments dropped, %d discarded",
         col.received_steps,
@@ -972,8 +977,14 @@ def enter_device(ctx: RankContext, col: Collector, offloader: Offloader, version
     offloader.onload(version)
 
 
-def _save_final(policy, ctx: RankContext, versions: int) -> None:
+def _save_final(policy, ctx: RankContext, versions: int, col: Collector) -> None:
     if hasattr(policy, "save_pretrained"):
         policy.save_pretrained(str(RunDir(ctx.run_dir).final_model))
-    summary = {"versions": versions, "checksum": ckpt.param_checksum(policy)}
+    ended_by = "rollout.stop_at_success" if col.target.reached else "rollout.total_env_steps"
+    summary = {
+        "versions": versions,
+        "env_steps": col.received_steps,
+        "ended_by": ended_by,
+        "checksum": ckpt.param_checksum(policy),
+    }
     RunDir(ctx.run_dir).final.write_text(json.dumps(summary))
