@@ -215,3 +215,21 @@ def test_a_missing_or_mistyped_field_names_its_dotted_key() -> None:
     data["device"] = "cuda:0"
     with pytest.raises(ProfileError, match="has unknown fields device"):
         Profile.from_dict(data)
+
+
+def test_the_models_quick_lookups_give_numpys_floats() -> None:
+    """`quantile_of_sorted` and a flat `Curve` stand in for np.quantile and np.interp on the simulation's hot path
+    (a placement search asked them ~10^6 times): the same floats, ends and measured points included."""
+    from vlaslurm.placement.costs import Curve, quantile_of_sorted
+
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        values = rng.lognormal(0, 1, int(rng.integers(1, 40)))
+        ordered = np.sort(values).tolist()
+        for q in [0.0, 0.5, 1.0, *rng.random(10)]:
+            assert quantile_of_sorted(ordered, q) == float(np.quantile(values, q))
+        sizes = sorted({float(x) for x in rng.integers(0, 100, 6)})
+        if len(sizes) > 1:
+            curve = Curve(sizes, rng.random(len(sizes)).tolist(), flat=True)
+            for x in [*sizes, *rng.uniform(-10, 110, 10)]:
+                assert curve(x) == float(np.interp(x, curve.sizes, curve.values))

@@ -8,6 +8,7 @@ slowest environment in a lock-step group is what sync mode pays for.
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 from dataclasses import dataclass, field
@@ -31,17 +32,18 @@ class Curve:
     flat: bool = False  # past the measured sizes, the nearest measured value instead of the trend
 
     def __call__(self, size: float) -> float:
+        # bisect on the lists, not numpy: the simulation asks ~10^6 times per placement search
         xs, ys = self.sizes, self.values
         if len(xs) == 1:
             return ys[0]
-        if self.flat:
-            return float(np.interp(size, xs, ys))
-        if size <= xs[0]:
-            i = 0
-        elif size >= xs[-1]:
-            i = len(xs) - 2
-        else:
-            i = int(np.searchsorted(xs, size)) - 1
+        if self.flat:  # np.interp's values: the ends past the sizes, a measured size's own value
+            if size <= xs[0]:
+                return ys[0]
+            if size >= xs[-1]:
+                return ys[-1]
+            i = bisect.bisect_right(xs, size) - 1
+            return ys[i] + (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i]) * (size - xs[i])
+        i = min(max(bisect.bisect_left(xs, size) - 1, 0), len(xs) - 2)
         slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
         return max(0.0, ys[i] + slope * (size - xs[i]))
 
@@ -163,6 +165,9 @@ class Costs:
         if self.step_rule not in STEP_RULES:
             raise ValueError(f"step_rule must be one of {', '.join(STEP_RULES)}, not {self.step_rule!r}")
         self.step_samples = np.atleast_2d(np.asarray(self.step_samples, float))
+        # `_batch_draw`'s lookups, sorted once (numpy's quantile sorted them on every draw)
+        self._batch_sizes = sorted(self.batch_samples)
+        self._batch_sorted = {n: np.sort(np.asarray(v, float)).tolist() for n, v in self.batch_samples.items()}
 
     def instance_map(self, envs: int) -> np.ndarray:
         """Which reference instance models each of a rank's `envs` instances (keeps the slow ones' share)."""
@@ -185,14 +190,14 @@ class Costs:
         return float(draws.max() if self.step_rule == "max" else draws.sum()) + device
 
     def _batch_draw(self, rng: np.random.Generator, n: int) -> float:
-        sizes = sorted(self.batch_samples)
+        sizes = self._batch_sizes
         u = rng.random()
         lo = max([s for s in sizes if s <= n], default=sizes[0])
         hi = min([s for s in sizes if s >= n], default=sizes[-1])
-        q_lo = float(np.quantile(self.batch_samples[lo], u))
+        q_lo = quantile_of_sorted(self._batch_sorted[lo], u)
         if hi == lo:
             return q_lo * (n / lo if n > lo else 1.0)  # past the largest measured size: linear in n
-        q_hi = float(np.quantile(self.batch_samples[hi], u))
+        q_hi = quantile_of_sorted(self._batch_sorted[hi], u)
         return q_lo + (q_hi - q_lo) * (n - lo) / (hi - lo)
 
     def mean_group_step(self, profile_ids: np.ndarray, draws: int = 64, seed: int = 0) -> float:
@@ -203,6 +208,17 @@ class Costs:
         """One update of `steps` env steps over `ranks` data-parallel trainer ranks (ring all-reduce)."""
         allreduce = 0.0 if ranks == 1 else 2 * (ranks - 1) / ranks * self.param_bytes / self.allreduce_bytes_per_s
         return self.update_s(steps / ranks) + allreduce
+
+
+def quantile_of_sorted(values: Sequence[float], q: float) -> float:
+    """`np.quantile(values, q)` (its default, linear method; the same floats) of `values` already sorted, in
+    ~1 us instead of numpy's ~60 us per call."""
+    position = (len(values) - 1) * q
+    if position >= len(values) - 1:
+        return float(values[-1])
+    i = math.floor(position)
+    a, b, t = values[i], values[i + 1], position - i
+    return float(b - (b - a) * (1 - t) if t >= 0.5 else a + (b - a) * t)
 
 
 def lognormal_samples(mean: float, sigma: float, n: int, rng: np.random.Generator) -> np.ndarray:
