@@ -144,9 +144,11 @@ def trainer_memory_problem(spec, shape: ModelShape, ranks: int, capacity: float)
 def spec_model_shape(spec) -> Optional[ModelShape]:
     """The shape of the spec's model where it is an OpenVLA release folder (`model.path` with its config.json);
     None otherwise (the profile's measured trainer memory is all there is)."""
+    path = getattr(spec.model, "path", None)
+    if path is None:  # before the import: it loads transformers (~5 s)
+        return None
     from vlaslurm.models.prismatic.release import CONFIG_FILE, read_release_config
 
-    path = getattr(spec.model, "path", None)
-    if path is None or not (Path(path) / CONFIG_FILE).is_file():
+    if not (Path(path) / CONFIG_FILE).is_file():
         return None
     return vla_shape(read_release_config(path))
