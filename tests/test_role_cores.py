@@ -321,6 +321,7 @@ def test_stepper_threads_step_sub_groups_side_by_side(tmp_path) -> None:
     st.submit(0, [0, 1], reply([0, 1], chunk=2))
     st.submit(1, [2, 3], reply([2, 3], chunk=2))
     done = wait_finished(st, 2)
+    assert st.running == {}  # a chunk taken by `finished` is no longer under way (nothing left to scan)
     st.close()
     assert sorted(g for g, _, _ in done) == [0, 1] and env.t.tolist() == [2, 2, 2, 2]
     assert len(set(env.threads)) == 2 and threading.current_thread().name not in env.threads
