@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,7 +25,7 @@ import yaml
 from PIL import Image
 
 from vlaslurm.cli import main
-from vlaslurm.rundir import read_ledger
+from vlaslurm.rundir import RunDir, read_ledger
 from vlaslurm.rundir.layout import TRACKER_STATE
 from vlaslurm.runtime.failures import FRAME_MS
 from vlaslurm.runtime.local import run_local
@@ -439,3 +440,16 @@ def test_a_run_that_reaches_stop_at_success_ends_early_and_finished(server, tmp_
     assert len(rows) >= 3 and rate >= 0.2 and metrics_lines(run_dir)[-1]["env_steps"] <= final["env_steps"]
     assert "reached rollout.stop_at_success 0.2" in (run_dir / "logs" / "trainer" / "0.log").read_text()
     assert client(server.uri).get_run(read_run_id(run_dir)).info.status == "FINISHED"
+
+    # `vlaslurm track` afterwards, into new MLflow runs: FINISHED as it ended; KILLED for a run that went on past its
+    # final summary (resumed to train longer) and drained short of its total.
+    for name, further, status in (("again", 0, "FINISHED"), ("resumed", 64, "KILLED")):
+        copy = tmp_path / name
+        shutil.copytree(run_dir, copy)
+        (copy / "mlflow_run_id").unlink()
+        shutil.rmtree(RunDir(copy).tracking)
+        if further:
+            with (copy / "metrics.jsonl").open("a") as out:
+                out.write(json.dumps({**metrics_lines(run_dir)[-1], "env_steps": final["env_steps"] + further}) + "\n")
+        assert main(["track", str(copy), "--tracking-uri", server.uri, "--timeout", "60"]) == 0
+        assert client(server.uri).get_run(read_run_id(copy)).info.status == status, name

@@ -399,11 +399,19 @@ class Tracker:
         return steps
 
     def _final_status(self, step: int) -> str:
-        """FINISHED for a run that reached its total or wrote its final summary (one that reached
-        rollout.stop_at_success ends short of the total), else KILLED (drained before a requeue)."""
+        """FINISHED for a run that reached its total or whose final summary covers `step` (one that reached
+        rollout.stop_at_success ends short of the total), else KILLED (drained before a requeue; a summary from
+        an earlier end, before a resume to train longer, does not cover the steps since)."""
         total = spec_params(self.run_dir).get("rollout.total_env_steps")
-        ended = total is None or step >= int(total) or RunDir(self.run_dir).final.exists()
+        ended = total is None or step >= int(total) or self._final_env_steps() >= step
         return "FINISHED" if ended else "KILLED"
+
+    def _final_env_steps(self) -> int:
+        """The env steps `final.json` says the run ended at; -1 without one (or one that does not say)."""
+        try:
+            return int(json.loads(RunDir(self.run_dir).final.read_text())["env_steps"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return -1
 
     def _sent_state(self) -> Dict[str, int]:
         """The last metrics line and evals-log line an earlier tracker of this run sent (0 when none)."""
