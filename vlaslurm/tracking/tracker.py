@@ -172,7 +172,8 @@ class Tracker:
 
         The run's MLflow status: `status`, else FAILED when called while an exception propagates
         (from a `finally`), KILLED for an interrupt or a run stopped short of rollout.total_env_steps
-        (a drain before a requeue), FINISHED otherwise.
+        (a drain before a requeue) whose final summary does not cover it (`_final_status`: a run that reached
+        rollout.stop_at_success has one), FINISHED otherwise.
         """
         timeout_s = self.close_timeout_s if timeout_s is None else timeout_s
         exc = sys.exc_info()[1]
