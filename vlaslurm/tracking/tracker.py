@@ -408,7 +408,7 @@ class Tracker:
         return "FINISHED" if ended else "KILLED"
 
     def _final_env_steps(self) -> int:
-        """The env steps `final.json` says the run ended at; -1 without one (or one that does not say)."""
+        """The env steps the final summary says the run ended at; -1 without one (or one that does not say)."""
         try:
             return int(json.loads(RunDir(self.run_dir).final.read_text())["env_steps"])
         except (OSError, ValueError, KeyError, TypeError):
