@@ -84,6 +84,25 @@ def test_ledger_has_one_row_per_segment_shipped(mode_runs: Dict[str, Run], mode:
         assert sorted(rows.segment) == list(range(len(rows)))
 
 
+def test_async_requests_ready_together_share_one_message(mode_runs: Dict[str, Run]) -> None:
+    """Requests a simulator has ready at once go to a generator in one message: at least each simulator's first
+    requests (all its environments), and later those of environments whose chunks ended together (how many do
+    depends on the machine's timing); the generators serve each request of a message on its own."""
+    run = mode_runs["async"]
+    sims, per_sim = run.counters("simulator"), 4  # 8 environments on 2 simulators
+    sent, messages = sum(c["requests_sent"] for c in sims), sum(c["request_messages"] for c in sims)
+    assert 0 < messages <= sent - len(sims) * (per_sim - 1), (messages, sent)
+    served = [r for b in run.events("batch", "generator") for r in b["req"]]  # [sub-group, env, sent, arrived]
+    assert 0.8 * sent < len(served) <= sent  # a few are still unserved at the stop
+    assert len({(g, env) for g, env, _, _ in served}) == 8 and all(g == env % per_sim for g, env, _, _ in served)
+    by_message: Dict[tuple, List[int]] = {}  # a message's requests share its send time
+    for _, env, sent_at, _ in served:
+        by_message.setdefault((env // per_sim, sent_at), []).append(env)
+    assert len(by_message) <= messages
+    assert max(len(envs) for envs in by_message.values()) == per_sim
+    assert all(len(set(envs)) == len(envs) for envs in by_message.values())  # one request per env per message
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_trained_samples_carry_the_version_that_served_them(mode_runs: Dict[str, Run], mode: str) -> None:
     run = mode_runs[mode]

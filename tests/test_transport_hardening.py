@@ -278,10 +278,54 @@ def test_one_act_message_carries_a_forwards_replies_to_one_simulator() -> None:
         msgs.decode_act(msgs.encode_acts(sent))
 
 
+def test_one_obs_message_carries_a_simulators_requests_to_one_generator() -> None:
+    """Requests sent together (async environments whose steps ended at once) travel in one message; the
+    generator reads each with its own rows, sub-group and version, as the socket's check decoded them."""
+    from vlaslurm.runtime.transport import WireError
+
+    def request(env_ids: list, group: int, min_version: int) -> msgs.ObsRequest:
+        req = obs_request(env_ids)
+        req.obs.images[:] = env_ids[0]  # type: ignore[index]
+        req.obs.state[:] = np.asarray(env_ids, np.float32)[:, None]  # type: ignore[index]
+        req.sub_group, req.min_version, req.sim_rank, req.sent_at = group, min_version, 2, 1.5
+        return req
+
+    sent = [request([4], 4, 0), request([7, 8], 0, 2), request([2], 2, 1)]
+    channels = msgs.generator_channels("job-r0", 1, 1)
+    with (
+        Router(SECRET, **channels, accepts=msgs.GENERATOR_INTAKE) as router,
+        Dealer(SECRET, **channels) as sim,
+    ):
+        sim.connect(router.bind(LOOPBACK))
+        sim.send(msgs.encode_requests(sent))
+        got = router.recv(5000)
+        assert router.recv(200) is None  # one message
+    assert got is not None and msgs.decode_requests(got[1]) is got[1].decoded  # the socket's check, kept
+    back = msgs.decode_requests(got[1])
+    assert [(r.env_ids, r.sub_group, r.min_version, r.sim_rank, r.sent_at) for r in back] == [
+        ([4], 4, 0, 2, 1.5),
+        ([7, 8], 0, 2, 2, 1.5),
+        ([2], 2, 1, 2, 1.5),
+    ]
+    for b, s in zip(back, sent):
+        np.testing.assert_array_equal(b.obs.images, s.obs.images)
+        np.testing.assert_array_equal(b.obs.state, s.obs.state)
+        assert (b.episodes, b.steps, b.seeds, b.obs.instructions) == (s.episodes, s.steps, s.seeds, s.obs.instructions)
+    with pytest.raises(ValueError, match="one simulator rank"):
+        msgs.encode_requests([request([1], 1, 0), obs_request([3])])
+    lying = msgs.encode_requests(sent)
+    lying.meta["counts"] = [1, 1, 1]  # four rows
+    with pytest.raises(WireError, match="do not split"):
+        msgs.decode_requests(lying)
+    with pytest.raises(WireError, match="3 requests where one was expected"):
+        msgs.decode_obs(msgs.encode_requests(sent))
+
+
 def test_every_decoder_refuses_bad_contents_with_a_wire_error() -> None:
     from vlaslurm.runtime.transport import WireError
 
-    for decoders in (msgs.TRAINER_INTAKE, msgs.EVAL_GENERATOR_INTAKE, msgs.REPLIES, msgs.ANNOUNCEMENTS):
+    intakes = (msgs.TRAINER_INTAKE, msgs.GENERATOR_INTAKE, msgs.EVAL_GENERATOR_INTAKE, msgs.REPLIES, msgs.ANNOUNCEMENTS)
+    for decoders in intakes:
         for name, decode in decoders.items():
             with pytest.raises(WireError):
                 decode(Message(name, {"sim_rank": "0", "env_ids": [None], "version": None}))

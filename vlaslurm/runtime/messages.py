@@ -123,42 +123,69 @@ class ObsRequest:
         return len(self.env_ids)
 
 
-def encode_obs(req: ObsRequest) -> Message:
-    arrays = _obs_arrays(req.obs)
+def encode_requests(reqs: List[ObsRequest]) -> Message:
+    """Requests of one simulator, sent together, in one message (one send, one MAC, one wake-up for all of
+    them: async environments whose steps end together); each keeps its own rows, sub-group and version."""
+    first = reqs[0]
+    if any(r.sim_rank != first.sim_rank for r in reqs):
+        raise ValueError("requests in one message must come from one simulator rank")
+    parts = [_obs_arrays(r.obs) for r in reqs]
+    if any(p.keys() != parts[0].keys() for p in parts):
+        raise ValueError("requests in one message must carry the same arrays")
+    arrays = parts[0] if len(parts) == 1 else {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
     meta = {
-        "env_ids": req.env_ids,
-        "episodes": req.episodes,
-        "steps": req.steps,
-        "seeds": req.seeds,
-        "instructions": req.obs.instructions,
-        "sub_group": req.sub_group,
-        "min_version": req.min_version,
-        "sent_at": req.sent_at,
-        "sim_rank": req.sim_rank,
+        "env_ids": [e for r in reqs for e in r.env_ids],
+        "episodes": [e for r in reqs for e in r.episodes],
+        "steps": [s for r in reqs for s in r.steps],
+        "seeds": [s for r in reqs for s in r.seeds],
+        "instructions": [i for r in reqs for i in r.obs.instructions],
+        "counts": [len(r) for r in reqs],
+        "sub_groups": [r.sub_group for r in reqs],
+        "min_versions": [r.min_version for r in reqs],
+        "sent_at": first.sent_at,
+        "sim_rank": first.sim_rank,
     }
     return Message(OBS, meta, arrays)
 
 
+def encode_obs(req: ObsRequest) -> Message:
+    return encode_requests([req])
+
+
 @_kept
-def decode_obs(msg: Message) -> ObsRequest:
+def decode_requests(msg: Message) -> List[ObsRequest]:
+    """The requests in an `obs` message (`encode_requests`), each with its rows of the arrays (views)."""
     m, k = msg.meta, OBS
     env_ids = _list(m, "env_ids", k, int)
     n = len(env_ids)
-    if n == 0:
-        raise _bad(k, "no environments")
+    counts = _list(m, "counts", k, int)
+    if n == 0 or not counts or any(c < 1 for c in counts) or sum(counts) != n:
+        raise _bad(k, f"counts {counts} do not split {n} environments into non-empty requests")
+    groups, versions = (_list(m, key, k, int, len(counts)) for key in ("sub_groups", "min_versions"))
+    episodes, steps, seeds = (_list(m, key, k, int, n) for key in ("episodes", "steps", "seeds"))
     images, state = _array(msg, "images", n), _array(msg, "state", n)
-    obs = Observation(images, state, _list(m, "instructions", k, str, n))
-    return ObsRequest(
-        env_ids,
-        _list(m, "episodes", k, int, n),
-        _list(m, "steps", k, int, n),
-        _list(m, "seeds", k, int, n),
-        obs,
-        _int(m, "sub_group", k),
-        _int(m, "min_version", k),
-        _float(m, "sent_at", k),
-        _int(m, "sim_rank", k),
-    )
+    instructions = _list(m, "instructions", k, str, n)
+    sent_at, sim_rank = _float(m, "sent_at", k), _int(m, "sim_rank", k)
+    out, start = [], 0
+    for count, group, version in zip(counts, groups, versions):
+        rows = slice(start, start + count)
+        obs = Observation(
+            None if images is None else images[rows], None if state is None else state[rows], instructions[rows]
+        )
+        out.append(
+            ObsRequest(env_ids[rows], episodes[rows], steps[rows], seeds[rows], obs, group, version, sent_at, sim_rank)
+        )
+        start += count
+    return out
+
+
+@_kept
+def decode_obs(msg: Message) -> ObsRequest:
+    """The request of an `obs` message that holds one (an evaluation's)."""
+    reqs = decode_requests(msg)
+    if len(reqs) != 1:
+        raise _bad(OBS, f"{len(reqs)} requests where one was expected")
+    return reqs[0]
 
 
 @dataclass
@@ -536,7 +563,7 @@ def decode_offloaded(msg: Message) -> Tuple[int, str, int]:
 # --------------------------------------------------------------------------- what each socket takes
 
 Decoders = Mapping[str, Callable[[Message], object]]
-GENERATOR_INTAKE: Decoders = {OBS: decode_obs}  # a generator's Router
+GENERATOR_INTAKE: Decoders = {OBS: decode_requests}  # a generator's Router
 EVAL_GENERATOR_INTAKE: Decoders = {OBS: decode_obs, SIM_DONE: decode_sim_done}  # an eval job's generator
 REPLIES: Decoders = {ACT: decode_acts, HELD: decode_held}  # a simulator's Dealers
 TRAINER_INTAKE: Decoders = {  # trainer rank 0's Pull

@@ -258,8 +258,10 @@ class Generator:
             else:  # the router, the poller's only other socket; it takes only `obs` (msgs.GENERATOR_INTAKE)
                 while (got := self.router.recv(0)) is not None:
                     peer, msg = got
-                    pending = Pending(peer, msgs.decode_obs(msg), time.monotonic(), arrived_at=self.ctx.now())
-                    self.batcher.pending.append(pending)
+                    arrived, arrived_at = time.monotonic(), self.ctx.now()
+                    self.batcher.pending += [
+                        Pending(peer, req, arrived, arrived_at=arrived_at) for req in msgs.decode_requests(msg)
+                    ]
         self.counters.sample("queue_len", sum(len(p.request) for p in self.batcher.pending))
         for name, count in rejection_counts(
             self.router,

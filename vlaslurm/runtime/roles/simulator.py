@@ -92,7 +92,7 @@ class SimulatorIO:
         gens = ctx.info.ranks["generator"]
         self.dealers = [self._dealer(g, ctx.member("generator", g)) for g in range(gens)]
         self.gen_pids = [ctx.member("generator", g).pid for g in range(gens)]
-        self.inflight: Dict[int, tuple] = {}  # first env id of a request -> (generator, request message)
+        self.inflight: Dict[int, tuple] = {}  # first env id of a request -> (generator, request)
         self.reconnects = 0
         self.duplicates = 0  # replies to requests already answered (dropped)
         self.retired: List[Dealer] = []  # closed Dealers to restarted generators: their rejections still count
@@ -116,6 +116,8 @@ class SimulatorIO:
         self.stop = False
         self.shipped_segments = 0
         self.shipped_steps = 0
+        self.requests_sent = 0
+        self.request_messages = 0  # fewer than requests where several went in one message
         self.held: List[int] = []  # env ids whose requests a generator holds (async `hold`)
 
     def _dealer(self, g: int, member) -> Dealer:
@@ -130,15 +132,23 @@ class SimulatorIO:
         dealer.connect(member.endpoint("obs"))
         return dealer
 
-    def send(self, req: msgs.ObsRequest) -> None:
-        gen = self.schedule.route(req.sim_rank, self.outstanding)
-        req.sent_at = self.ctx.now()
-        message = msgs.encode_obs(req)
-        self.dealers[gen].send(message)
-        self.inflight[req.env_ids[0]] = (gen, message)
-        if self.outstanding[gen] == 0:
-            self.waiting_since[gen] = time.monotonic()
-        self.outstanding[gen] += 1
+    def send(self, reqs: List[msgs.ObsRequest]) -> None:
+        """Send requests, each to the generator the schedule routes it to: one message per generator for all
+        of its requests (async environments whose steps ended together share one send and one wake-up)."""
+        now = self.ctx.now()
+        by_gen: Dict[int, List[msgs.ObsRequest]] = {}
+        for req in reqs:
+            gen = self.schedule.route(req.sim_rank, self.outstanding)
+            req.sent_at = now
+            by_gen.setdefault(gen, []).append(req)
+            self.inflight[req.env_ids[0]] = (gen, req)
+            if self.outstanding[gen] == 0:
+                self.waiting_since[gen] = time.monotonic()
+            self.outstanding[gen] += 1
+        for gen, mine in by_gen.items():
+            self.dealers[gen].send(msgs.encode_requests(mine))
+        self.requests_sent += len(reqs)
+        self.request_messages += len(by_gen)
 
     def look_for_restarted_generators(self) -> None:
         """A generator that owes replies for a while may have died and been restarted by its step (new pid,
@@ -168,9 +178,9 @@ class SimulatorIO:
             self.gen_pids[g] = member.pid
             self.ctx.members[("generator", g)] = member
             self.reconnects += 1
-            for gen, message in list(self.inflight.values()):
-                if gen == g:
-                    self.dealers[g].send(message)
+            unanswered = [req for gen, req in self.inflight.values() if gen == g]
+            if unanswered:
+                self.dealers[g].send(msgs.encode_requests(unanswered))
             self.waiting_since[g] = now
             self.answered[g] = False  # the new process gets the first-meeting deadline (imports, weights)
 
@@ -420,6 +430,8 @@ class Simulator:
         self.counters.set("generator_reconnects", io.reconnects)
         self.counters.set("duplicate_replies", io.duplicates)
         self.counters.set("shipped_steps", io.shipped_steps)
+        self.counters.set("requests_sent", io.requests_sent)
+        self.counters.set("request_messages", io.request_messages)
         for name, count in io.rejections().items():
             self.counters.set(name, count)
         self.counters.maybe_write(force=True)
@@ -630,8 +642,10 @@ def run_phase(
 ) -> bool:
     """`per_phase` chunks of every sub-group with weights `version`; False if the trainer said stop."""
     remaining = [per_phase] * len(groups)
+    # One message per sub-group: sent together, the generator would serve them in one batch from then on, and
+    # the sub-groups would step in step (pipelining needs them apart).
     for g, locals_ in enumerate(groups):
-        io.send(sim.request(locals_, g, version))
+        io.send([sim.request(locals_, g, version)])
     while any(remaining):
         for reply in io.poll(100):
             stepper.submit(reply.sub_group, groups[reply.sub_group], reply)
@@ -639,7 +653,7 @@ def run_phase(
             segments = sim.apply(groups[g], reply, result)
             remaining[g] -= 1
             if remaining[g]:
-                io.send(sim.request(groups[g], g, version))  # before shipping: the generator need not wait
+                io.send([sim.request(groups[g], g, version)])  # before shipping: the generator need not wait
             io.ship(segments)
         if io.stop:
             return False
@@ -653,19 +667,20 @@ def async_loop(sim: Simulator, io: SimulatorIO) -> None:
     """Every environment on its own: request when ready, step when its actions arrive."""
     threads = sim.schedule.step_threads(sim.env.num_envs, sim.env.thread_safe)
     stepper = Stepper(sim, io, threads, sim.to_env, sim.cfg.steps_per_decision)
-    for i in range(sim.env.num_envs):
-        io.send(sim.request([i], i, 0))
+    io.send([sim.request([i], i, 0) for i in range(sim.env.num_envs)])
     first = sim.tracks[0]
     try:
         while not io.stop:
             for reply in io.poll(100):  # env threads wake the poll the moment a chunk ends
                 local = first.local + reply.env_ids[0] - first.gid
                 stepper.submit(local, [local], reply)
+            requests, segments = [], []
             for local, reply, result in stepper.finished():
-                segments = sim.apply([local], reply, result)
-                for i in sim.next_requests(local):
-                    io.send(sim.request([i], i, 0))  # before shipping: the generator need not wait
-                io.ship(segments)
+                segments += sim.apply([local], reply, result)
+                requests += [sim.request([i], i, 0) for i in sim.next_requests(local)]
+            if requests:
+                io.send(requests)  # one message per generator, before shipping: the generator need not wait
+            io.ship(segments)
             io.ship(sim.cut_held(io.held))
             io.held.clear()
             io.check_deadlines()
