@@ -16,6 +16,8 @@ from conftest import LogRecords
 
 from vlaslurm.rundir.secret import SecretError, create_secret, ensure_secret, load_secret, secret_path
 from vlaslurm.runtime.transport import (
+    OWN_TAG_BYTES,
+    WIRE_VERSION,
     Dealer,
     Message,
     PeerUnreachable,
@@ -72,7 +74,7 @@ def test_encode_decode_round_trip_every_dtype() -> None:
 def test_frame_zero_is_a_versioned_msgpack_envelope() -> None:
     frames = encode(Message("x", {}, {"a": np.ones(3, np.float32)}), KEY, channel="c", session=b"s" * 16, seq=7)
     envelope = msgpack.unpackb(frames[0])
-    assert envelope["v"] == 3 and len(envelope["mac"]) == 16
+    assert envelope["v"] == WIRE_VERSION == 4 and len(envelope["mac"]) == 16
     assert (envelope["sid"], envelope["seq"]) == (b"s" * 16, 7)
     assert msgpack.unpackb(envelope["h"]) == {
         "kind": "x",
@@ -110,6 +112,14 @@ def test_tampering_and_wrong_keys_are_detected() -> None:
     two = encode(Message("x", {}, {"a": np.zeros(4, np.int32), "b": np.ones(4, np.int32)}), KEY)
     with pytest.raises(WireError, match="MAC"):
         decode([two[0], two[2], two[1]], KEY)  # frames swapped: each is tagged at its place
+    with pytest.raises(WireError, match="MAC"):  # small frames join the message's MAC input, length first
+        decode([two[0], bytes(two[1]) + bytes(two[2])[:4], bytes(two[2])[4:]], KEY)
+    large = [bytes(f) for f in encode(Message("x", {}, {"a": np.ones(OWN_TAG_BYTES, np.uint8)}), KEY)]
+    decode(large, KEY)
+    flipped = bytearray(large[1])
+    flipped[-1] ^= 1
+    with pytest.raises(WireError, match="MAC"):  # a large frame has its own tag
+        decode([large[0], bytes(flipped)], KEY)
     with pytest.raises(WireError, match="envelope"):
         decode([b"\xc1garbage"], KEY)
     with pytest.raises(WireError, match="version"):
@@ -123,7 +133,7 @@ def test_signed_but_inconsistent_headers_are_rejected() -> None:
     def forge(specs: list[dict], frames: list[bytes]) -> list[bytes]:
         signed = msgpack.packb({"kind": "x", "meta": {}, "arrays": specs, "ch": ""})
         mac = _mac(KEY, signed, [memoryview(f) for f in frames], b"s", 0)
-        return [msgpack.packb({"v": 3, "sid": b"s", "seq": 0, "h": signed, "mac": mac}), *frames]
+        return [msgpack.packb({"v": WIRE_VERSION, "sid": b"s", "seq": 0, "h": signed, "mac": mac}), *frames]
 
     with pytest.raises(WireError, match="not allowed"):
         decode(forge([{"name": "a", "dtype": "|O", "shape": [1]}], [b"\0" * 8]), KEY)
