@@ -236,10 +236,21 @@ def test_wrong_kinds_and_bad_contents_are_refused_and_counted(transport_log: Log
     assert any("expected 2 rows" in m for m in transport_log.messages)
 
 
+def assert_counts_are_checked(message: Message, decode_all, decode_one, what: str) -> None:
+    """`message` holds three items over four rows: counts that do not split the rows are refused, and so is
+    reading it as a message of one."""
+    from vlaslurm.runtime.transport import WireError
+
+    lying = Message(message.kind, {**message.meta, "counts": [1, 1, 1]}, message.arrays)
+    with pytest.raises(WireError, match="do not split"):
+        decode_all(lying)
+    with pytest.raises(WireError, match=f"3 {what} where one was expected"):
+        decode_one(message)
+
+
 def test_one_act_message_carries_a_forwards_replies_to_one_simulator() -> None:
     """A forward answers all requests of one simulator in one message; the simulator reads each reply with its
     rows, and the decoding its socket did to check the message is the one the role gets (not a second one)."""
-    from vlaslurm.runtime.transport import WireError
 
     def reply(env_ids: list, group: int, version: int = 3) -> msgs.ActReply:
         n = len(env_ids)
@@ -270,18 +281,12 @@ def test_one_act_message_carries_a_forwards_replies_to_one_simulator() -> None:
         np.testing.assert_array_equal(b.replay["path"], s.replay["path"])
     with pytest.raises(ValueError, match="one forward"):
         msgs.encode_acts([reply([1], 0), reply([2], 0, version=4)])
-    lying = msgs.encode_acts(sent)
-    lying.meta["counts"] = [1, 1, 1]  # four rows
-    with pytest.raises(WireError, match="do not split"):
-        msgs.decode_acts(lying)
-    with pytest.raises(WireError, match="3 replies where one was expected"):
-        msgs.decode_act(msgs.encode_acts(sent))
+    assert_counts_are_checked(msgs.encode_acts(sent), msgs.decode_acts, msgs.decode_act, "replies")
 
 
 def test_one_obs_message_carries_a_simulators_requests_to_one_generator() -> None:
     """Requests sent together (async environments whose steps ended at once) travel in one message; the
     generator reads each with its own rows, sub-group and version, as the socket's check decoded them."""
-    from vlaslurm.runtime.transport import WireError
 
     def request(env_ids: list, group: int, min_version: int) -> msgs.ObsRequest:
         req = obs_request(env_ids)
@@ -313,12 +318,7 @@ def test_one_obs_message_carries_a_simulators_requests_to_one_generator() -> Non
         assert (b.episodes, b.steps, b.seeds, b.obs.instructions) == (s.episodes, s.steps, s.seeds, s.obs.instructions)
     with pytest.raises(ValueError, match="one simulator rank"):
         msgs.encode_requests([request([1], 1, 0), obs_request([3])])
-    lying = msgs.encode_requests(sent)
-    lying.meta["counts"] = [1, 1, 1]  # four rows
-    with pytest.raises(WireError, match="do not split"):
-        msgs.decode_requests(lying)
-    with pytest.raises(WireError, match="3 requests where one was expected"):
-        msgs.decode_obs(msgs.encode_requests(sent))
+    assert_counts_are_checked(msgs.encode_requests(sent), msgs.decode_requests, msgs.decode_obs, "requests")
 
 
 def test_every_decoder_refuses_bad_contents_with_a_wire_error() -> None:

@@ -19,6 +19,7 @@ Channel names (`channel`) and the largest frame a run may send (`max_frame_bytes
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar
 
@@ -105,6 +106,31 @@ def _required(msg: Message, name: str, rows: Optional[int]) -> np.ndarray:
     return array
 
 
+# Several requests (or replies) in one message: their rows concatenated, `counts` saying how many each has.
+
+
+def _joined(parts: List[Dict[str, np.ndarray]], what: str) -> Dict[str, np.ndarray]:
+    """The arrays of several `what` in one message, rows concatenated (as they are for one)."""
+    if any(p.keys() != parts[0].keys() for p in parts):
+        raise ValueError(f"{what} in one message must carry the same arrays")
+    return parts[0] if len(parts) == 1 else {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+
+
+def _row_slices(m: Mapping[str, Any], kind: str, n: int, what: str) -> List[slice]:
+    """Each item's rows of a message's `n`, from its `counts`: non-empty, and all of them."""
+    counts = _list(m, "counts", kind, int)
+    if n == 0 or not counts or any(c < 1 for c in counts) or sum(counts) != n:
+        raise _bad(kind, f"counts {counts} do not split {n} environments into non-empty {what}")
+    starts = itertools.accumulate(counts, initial=0)
+    return [slice(start, start + count) for start, count in zip(starts, counts)]
+
+
+def _only(kind: str, items: List[_T], what: str) -> _T:
+    if len(items) != 1:
+        raise _bad(kind, f"{len(items)} {what} where one was expected")
+    return items[0]
+
+
 @dataclass
 class ObsRequest:
     """Observations of some environments of one simulator, waiting for actions."""
@@ -129,10 +155,7 @@ def encode_requests(reqs: List[ObsRequest]) -> Message:
     first = reqs[0]
     if any(r.sim_rank != first.sim_rank for r in reqs):
         raise ValueError("requests in one message must come from one simulator rank")
-    parts = [_obs_arrays(r.obs) for r in reqs]
-    if any(p.keys() != parts[0].keys() for p in parts):
-        raise ValueError("requests in one message must carry the same arrays")
-    arrays = parts[0] if len(parts) == 1 else {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+    arrays = _joined([_obs_arrays(r.obs) for r in reqs], "requests")
     meta = {
         "env_ids": [e for r in reqs for e in r.env_ids],
         "episodes": [e for r in reqs for e in r.episodes],
@@ -158,34 +181,34 @@ def decode_requests(msg: Message) -> List[ObsRequest]:
     m, k = msg.meta, OBS
     env_ids = _list(m, "env_ids", k, int)
     n = len(env_ids)
-    counts = _list(m, "counts", k, int)
-    if n == 0 or not counts or any(c < 1 for c in counts) or sum(counts) != n:
-        raise _bad(k, f"counts {counts} do not split {n} environments into non-empty requests")
-    groups, versions = (_list(m, key, k, int, len(counts)) for key in ("sub_groups", "min_versions"))
+    slices = _row_slices(m, k, n, "requests")
+    groups, versions = (_list(m, key, k, int, len(slices)) for key in ("sub_groups", "min_versions"))
     episodes, steps, seeds = (_list(m, key, k, int, n) for key in ("episodes", "steps", "seeds"))
     images, state = _array(msg, "images", n), _array(msg, "state", n)
     instructions = _list(m, "instructions", k, str, n)
     sent_at, sim_rank = _float(m, "sent_at", k), _int(m, "sim_rank", k)
-    out, start = [], 0
-    for count, group, version in zip(counts, groups, versions):
-        rows = slice(start, start + count)
-        obs = Observation(
-            None if images is None else images[rows], None if state is None else state[rows], instructions[rows]
+    return [
+        ObsRequest(
+            env_ids[rows],
+            episodes[rows],
+            steps[rows],
+            seeds[rows],
+            Observation(
+                None if images is None else images[rows], None if state is None else state[rows], instructions[rows]
+            ),
+            group,
+            version,
+            sent_at,
+            sim_rank,
         )
-        out.append(
-            ObsRequest(env_ids[rows], episodes[rows], steps[rows], seeds[rows], obs, group, version, sent_at, sim_rank)
-        )
-        start += count
-    return out
+        for rows, group, version in zip(slices, groups, versions)
+    ]
 
 
 @_kept
 def decode_obs(msg: Message) -> ObsRequest:
     """The request of an `obs` message that holds one (an evaluation's)."""
-    reqs = decode_requests(msg)
-    if len(reqs) != 1:
-        raise _bad(OBS, f"{len(reqs)} requests where one was expected")
-    return reqs[0]
+    return _only(OBS, decode_requests(msg), "requests")
 
 
 @dataclass
@@ -233,10 +256,7 @@ def encode_acts(replies: List[ActReply]) -> Message:
     first = replies[0]
     if any((r.version, r.gen_rank) != (first.version, first.gen_rank) for r in replies):
         raise ValueError("replies in one message must come from one forward (one version and generator)")
-    parts = [_act_arrays(r) for r in replies]
-    if any(p.keys() != parts[0].keys() for p in parts):
-        raise ValueError("replies in one message must carry the same arrays")
-    arrays = parts[0] if len(parts) == 1 else {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+    arrays = _joined([_act_arrays(r) for r in replies], "replies")
     meta = {
         "env_ids": [e for r in replies for e in r.env_ids],
         "counts": [len(r.env_ids) for r in replies],
@@ -257,40 +277,31 @@ def decode_acts(msg: Message) -> List[ActReply]:
     m, k = msg.meta, ACT
     env_ids = _list(m, "env_ids", k, int)
     n = len(env_ids)
-    counts = _list(m, "counts", k, int)
-    if n == 0 or not counts or any(c < 1 for c in counts) or sum(counts) != n:
-        raise _bad(k, f"counts {counts} do not split {n} environments into non-empty replies")
-    groups = _list(m, "sub_groups", k, int, len(counts))
+    slices = _row_slices(m, k, n, "replies")
+    groups = _list(m, "sub_groups", k, int, len(slices))
     version, gen_rank = _int(m, "version", k), _int(m, "gen_rank", k)
     actions, logprob, value = (_required(msg, name, n) for name in ("actions", "logprob", "value"))
     tokens, replay = _array(msg, "token_logprob", n), decode_replay(msg, n)
-    out, start = [], 0
-    for count, group in zip(counts, groups):
-        rows = slice(start, start + count)
-        out.append(
-            ActReply(
-                env_ids[rows],
-                group,
-                version,
-                actions[rows],
-                logprob[rows],
-                value[rows],
-                gen_rank,
-                None if tokens is None else tokens[rows],
-                None if replay is None else {name: v[rows] for name, v in replay.items()},
-            )
+    return [
+        ActReply(
+            env_ids[rows],
+            group,
+            version,
+            actions[rows],
+            logprob[rows],
+            value[rows],
+            gen_rank,
+            None if tokens is None else tokens[rows],
+            None if replay is None else {name: v[rows] for name, v in replay.items()},
         )
-        start += count
-    return out
+        for rows, group in zip(slices, groups)
+    ]
 
 
 @_kept
 def decode_act(msg: Message) -> ActReply:
     """The reply of an `act` message that holds one (an evaluation's)."""
-    replies = decode_acts(msg)
-    if len(replies) != 1:
-        raise _bad(ACT, f"{len(replies)} replies where one was expected")
-    return replies[0]
+    return _only(ACT, decode_acts(msg), "replies")
 
 
 def held(env_ids: List[int], gen_rank: int) -> Message:
