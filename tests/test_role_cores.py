@@ -349,3 +349,20 @@ def test_stepper_close_ends_a_chunk_after_the_step_under_way(tmp_path) -> None:
     st.close()
     ((_, _, result),) = st.finished()
     assert result.mask.tolist() == [[True, False, False, False, False]] and env.t.tolist() == [1]
+
+
+def test_counters_read_their_gauges_when_written(tmp_path) -> None:
+    """A gauge is read at each write, not on every turn of a role's loop: the file shows its value then."""
+    import json
+
+    sent = {"rejected_messages": 0.0}
+    counters = Counters(tmp_path, "simulator", 0, every_s=3600.0)
+    counters.gauge(lambda: dict(sent))
+    counters.add("env_steps", 5)
+    counters.maybe_write(force=True)
+    sent["rejected_messages"] = 2.0
+    counters.maybe_write()  # not due: the file keeps the first read
+    assert json.loads(counters.path.read_text())["rejected_messages"] == 0.0
+    counters.maybe_write(force=True)
+    written = json.loads(counters.path.read_text())
+    assert (written["rejected_messages"], written["env_steps"]) == (2.0, 5.0)

@@ -11,7 +11,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from vlaslurm.rundir.checked import DamagedRunDir, Shape, read_json_object, read_text, records
 from vlaslurm.rundir.files import append_line, read_jsonl, write_atomic
@@ -57,6 +57,7 @@ class Counters:
         self.busy_s = 0.0
         self.values: Dict[str, float] = {}
         self._samples: Dict[str, List[float]] = {}
+        self._gauges: List[Callable[[], Dict[str, float]]] = []
 
     def busy(self, seconds: float) -> None:
         self.busy_s += seconds
@@ -66,6 +67,11 @@ class Counters:
 
     def set(self, name: str, value: float) -> None:
         self.values[name] = value
+
+    def gauge(self, read: Callable[[], Dict[str, float]]) -> None:
+        """Counters that `read` returns, read when the counters are written rather than set on every turn of a
+        role's loop (e.g. what its sockets rejected)."""
+        self._gauges.append(read)
 
     def sample(self, name: str, value: float, keep: int = 20000) -> None:
         samples = self._samples.setdefault(name, [])
@@ -79,6 +85,8 @@ class Counters:
         wall = time.monotonic() - self.started
         out = {"wall_s": wall, "busy_s": self.busy_s, "utilisation": self.busy_s / wall if wall > 0 else 0.0}
         out.update(self.values)
+        for read in self._gauges:
+            out.update(read())
         for name, samples in self._samples.items():
             if samples:
                 arr = np.asarray(samples)

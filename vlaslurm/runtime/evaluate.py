@@ -359,6 +359,7 @@ class _GeneratorClient:
         self.dealer.connect(generator.endpoint("obs"))
         self.heartbeat = Heartbeat(ctx.run_dir, "simulator", ctx.rank)
         self.counters = Counters(ctx.run_dir, "simulator", ctx.rank)
+        self.counters.gauge(lambda: rejection_counts(self.dealer))
         self.answered = False  # the first answer waits for the generator to load its policy
 
     def act(self, obs: Observation, decision: Decision) -> np.ndarray:
@@ -383,20 +384,15 @@ class _GeneratorClient:
                 )
         self.answered = True
         self.heartbeat.beat(0, f"episodes={sum(map(len, self.outcomes.success.values()))}")
-        self.count_rejections()
+        self.counters.maybe_write()
         return msgs.decode_act(msg).actions
-
-    def count_rejections(self, force: bool = False) -> None:
-        for name, count in rejection_counts(self.dealer).items():
-            self.counters.set(name, count)
-        self.counters.maybe_write(force=force)
 
     def done(self) -> None:
         self.dealer.send(msgs.sim_done(self.ctx.rank, 0, 0))
         self.heartbeat.beat(0, "finished", force=True)
 
     def close(self) -> None:
-        self.count_rejections(force=True)
+        self.counters.maybe_write(force=True)
         self.dealer.close()  # lingers long enough to deliver `done`
 
 
@@ -447,6 +443,7 @@ def serve(ctx: RankContext, cfg: EvalRankConfig) -> int:
     batcher = Batcher(schedule, clients)
     heartbeat = Heartbeat(ctx.run_dir, "generator", ctx.rank)
     counters = Counters(ctx.run_dir, "generator", ctx.rank)
+    counters.gauge(lambda: rejection_counts(router))
     done: set = set()
     served, heard, limit = 0, time.monotonic(), ctx.deadlines.first_s
     try:
@@ -467,8 +464,6 @@ def serve(ctx: RankContext, cfg: EvalRankConfig) -> int:
             if batcher.ready(0, time.monotonic()):
                 served += _serve_batch(ctx, policy, batcher.take(0), router, cfg.eval)
             heartbeat.beat(0, f"served={served}")
-            for name, count in rejection_counts(router).items():
-                counters.set(name, count)
             counters.maybe_write()
     finally:
         counters.maybe_write(force=True)

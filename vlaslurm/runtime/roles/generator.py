@@ -205,6 +205,9 @@ class Generator:
         self.events = EventLog(ctx.run_dir, "generator", ctx.rank, flush_every=1 if durable else 512)
         self.incarnation = signals.incarnation()  # tells this process's served record from a killed one's
         self.counters = Counters(ctx.run_dir, "generator", ctx.rank)
+        self.counters.gauge(  # forged, replayed, wrong kind, ...; the store's refused values (not with filesystem sync)
+            lambda: rejection_counts(self.router, self.sub, store=ctx.world.store if ctx.world else None)
+        )
         self.heartbeat = Heartbeat(ctx.run_dir, "generator", ctx.rank)
         self.version = -1
         self.consumed_steps = 0
@@ -263,12 +266,6 @@ class Generator:
                         Pending(peer, req, arrived, arrived_at=arrived_at) for req in msgs.decode_requests(msg)
                     ]
         self.counters.sample("queue_len", sum(len(p.request) for p in self.batcher.pending))
-        for name, count in rejection_counts(
-            self.router,
-            self.sub,
-            store=self.ctx.world.store if self.ctx.world else None,  # None: filesystem sync
-        ).items():  # forged, replayed, wrong kind, ...
-            self.counters.set(name, count)
 
     def poll_weights(self):
         """New weights, if any. Asking costs a round trip to the trainer's store, so ask when the trainer

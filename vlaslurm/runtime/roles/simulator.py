@@ -238,9 +238,17 @@ class SimulatorIO:
         self.version = max(self.version, ctl.version)
         self.stop = self.stop or ctl.stop
 
-    def rejections(self) -> Dict[str, float]:
-        """What this rank's sockets dropped (`transport.rejection_counts`), for its counters."""
-        return rejection_counts(self.sub, *self.dealers, *self.retired)
+    def counters(self) -> Dict[str, float]:
+        """What the sockets sent and dropped (`transport.rejection_counts`), for the rank's counters (a gauge)."""
+        sent: Dict[str, float] = {
+            "shipped_segments": self.shipped_segments,
+            "shipped_steps": self.shipped_steps,
+            "generator_reconnects": self.reconnects,
+            "duplicate_replies": self.duplicates,
+            "requests_sent": self.requests_sent,
+            "request_messages": self.request_messages,
+        }
+        return {**sent, **rejection_counts(self.sub, *self.dealers, *self.retired)}
 
     def ship(self, segments: List[msgs.Segment]) -> None:
         """Send segments to the trainer (back-pressure blocks here) and count them."""
@@ -417,23 +425,12 @@ class Simulator:
     def cut_all(self) -> List[msgs.Segment]:
         return [t.cut() for t in self.tracks if t.has_steps()]
 
-    def tick(self, version: int, io: Optional[SimulatorIO] = None) -> None:
-        if io is not None:
-            for name, count in io.rejections().items():
-                self.counters.set(name, count)
+    def tick(self, version: int) -> None:
         self.counters.maybe_write()
         self.heartbeat.beat(version, f"env_steps={self.env_steps}")
 
-    def close(self, io: SimulatorIO, close_env: bool = True) -> None:
+    def close(self, close_env: bool = True) -> None:
         self.events.flush()
-        self.counters.set("shipped_segments", io.shipped_segments)
-        self.counters.set("generator_reconnects", io.reconnects)
-        self.counters.set("duplicate_replies", io.duplicates)
-        self.counters.set("shipped_steps", io.shipped_steps)
-        self.counters.set("requests_sent", io.requests_sent)
-        self.counters.set("request_messages", io.request_messages)
-        for name, count in io.rejections().items():
-            self.counters.set(name, count)
         self.counters.maybe_write(force=True)
         self.heartbeat.beat(None, f"finished env_steps={self.env_steps}", force=True)
         if close_env:
@@ -457,7 +454,7 @@ def wait_version(sim: Simulator, io: SimulatorIO, version: int) -> None:
                 )
             deadline = time.monotonic() + limit - age
         io.poll(100)
-        sim.tick(io.version, io)
+        sim.tick(io.version)
 
 
 class StuckStep(TimeoutError):
@@ -659,7 +656,7 @@ def run_phase(
             return False
         io.check_deadlines()
         stepper.check()
-        sim.tick(version, io)
+        sim.tick(version)
     return True
 
 
@@ -685,7 +682,7 @@ def async_loop(sim: Simulator, io: SimulatorIO) -> None:
             io.held.clear()
             io.check_deadlines()
             stepper.check()
-            sim.tick(io.version, io)
+            sim.tick(io.version)
     finally:
         stepper.close()
     for local, reply, result in stepper.finished():  # chunks that ended after the stop still count
@@ -771,6 +768,7 @@ def run(ctx: RankContext, cfg: SimulatorConfig) -> int:
         incarnation=incarnation,
         episode_base=0 if fresh else int(ctx.now() * 1000),
     )
+    sim.counters.gauge(io.counters)
     if not sim.schedule.resets_each_phase:  # else every phase starts from reset
         sim.reset(list(range(local_count)))
     log.info("%d environments of %s, mode %s", local_count, cfg.env.type, cfg.rollout.mode)
@@ -787,7 +785,7 @@ def run(ctx: RankContext, cfg: SimulatorConfig) -> int:
         code = 1  # restarted under resources.simulator.max_restarts
         log.error("%s", exc if isinstance(exc, StuckStep) else traceback.format_exc())
     finally:
-        sim.close(io, close_env=not sim.stuck)  # closing an env that a thread is stuck in can hang as well
+        sim.close(close_env=not sim.stuck)  # closing an env that a thread is stuck in can hang as well
         io.close()
     if code == 0:
         log.info("finished after %d env steps", sim.env_steps)

@@ -117,6 +117,8 @@ class Collector:
         self.ledger = Ledger(ctx.run_dir)
         self.events = EventLog(ctx.run_dir, "trainer", 0)
         self.counters = Counters(ctx.run_dir, "trainer", 0)
+        # forged, replayed, ...: never decoded; the store's refused values too (none with filesystem sync)
+        self.counters.gauge(lambda: rejection_counts(pull, store=ctx.world.store if ctx.world else None))
         self.heartbeat = Heartbeat(ctx.run_dir, "trainer", 0)
         self.failures = FailureKeeper(ctx.run_dir, cfg.tracking.failures_per_task)
         self.window: List[bool] = []  # success of episodes finished since the last report
@@ -242,9 +244,6 @@ class Collector:
                 self.offloads.add(int(msg.meta["version"]), str(msg.meta["role"]), int(msg.meta["rank"]))
             msg = self.pull.recv(0)
         self.counters.sample("buffered_steps", self.buffered_steps)
-        store = self.ctx.world.store if self.ctx.world else None
-        for name, count in rejection_counts(self.pull, store=store).items():  # forged, replayed, ...: never decoded
-            self.counters.set(name, count)
 
     def _restarted(self, rank: int, incarnation: int) -> None:
         """A simulator's worker was restarted. In the lock-step modes its new incarnation redoes the current
