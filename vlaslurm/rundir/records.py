@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from vlaslurm.rundir.checked import DamagedRunDir, Shape, read_json_object, read_text, records
+from vlaslurm.rundir.checked import DamagedRunDir, Shape, read_json, read_json_object, read_text, records
 from vlaslurm.rundir.files import append_line, read_jsonl, write_atomic
 from vlaslurm.rundir.layout import RunDir
 
@@ -155,6 +155,17 @@ HEARTBEAT_KEYS: Shape = {"time": (int, float), "progress": str}
 EXIT_KEYS: Shape = {"step": str, "exit_code": int, "start": (int, float), "end": (int, float)}
 RESTART_KEYS: Shape = {"role": str, "rank": int, "restart": int, "exit_code": int}
 EVAL_KEYS: Shape = {"success": dict, "outcomes": dict, "episodes_per_task": dict}
+
+
+def final_env_steps(run_dir: Path) -> int:
+    """The env steps a run's final summary (its trainer's last word) says it ended at; -1 without one, or with
+    one that is damaged or does not say (summaries written before they recorded it)."""
+    try:
+        summary = read_json(RunDir(run_dir).final)
+    except DamagedRunDir:
+        return -1
+    steps = summary.get("env_steps") if isinstance(summary, dict) else None
+    return int(steps) if isinstance(steps, (int, float)) and not isinstance(steps, bool) else -1
 
 
 def read_heartbeat(path: Path) -> Optional[Dict[str, Any]]:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from vlaslurm.log import get_logger
-from vlaslurm.rundir import RunDir, index_path, layout, read_ledger, write_atomic
+from vlaslurm.rundir import RunDir, final_env_steps, index_path, layout, read_ledger, write_atomic
 from vlaslurm.tracking.buffer import Row, RowBuffer
 from vlaslurm.tracking.follow import RunFollower, numeric
 from vlaslurm.tracking.params import placement_params, run_tags, spec_params
@@ -404,15 +404,8 @@ class Tracker:
         rollout.stop_at_success ends short of the total), else KILLED (drained before a requeue; a summary from
         an earlier end, before a resume to train longer, does not cover the steps since)."""
         total = spec_params(self.run_dir).get("rollout.total_env_steps")
-        ended = total is None or step >= int(total) or self._final_env_steps() >= step
+        ended = total is None or step >= int(total) or final_env_steps(self.run_dir) >= step
         return "FINISHED" if ended else "KILLED"
-
-    def _final_env_steps(self) -> int:
-        """The env steps the final summary says the run ended at; -1 without one (or one that does not say)."""
-        try:
-            return int(json.loads(RunDir(self.run_dir).final.read_text())["env_steps"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return -1
 
     def _sent_state(self) -> Dict[str, int]:
         """The last metrics line and evals-log line an earlier tracker of this run sent (0 when none)."""
