@@ -192,8 +192,9 @@ class Costs:
     def _batch_draw(self, rng: np.random.Generator, n: int) -> float:
         sizes = self._batch_sizes
         u = rng.random()
-        lo = max([s for s in sizes if s <= n], default=sizes[0])
-        hi = min([s for s in sizes if s >= n], default=sizes[-1])
+        below, above = bisect.bisect_right(sizes, n), bisect.bisect_left(sizes, n)
+        lo = sizes[below - 1] if below else sizes[0]  # the largest measured size <= n (else the smallest)
+        hi = sizes[above] if above < len(sizes) else sizes[-1]  # the smallest >= n (else the largest)
         q_lo = quantile_of_sorted(self._batch_sorted[lo], u)
         if hi == lo:
             return q_lo * (n / lo if n > lo else 1.0)  # past the largest measured size: linear in n
