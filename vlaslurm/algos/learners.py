@@ -241,6 +241,21 @@ class PolicyStep:
             tokens = self.cfg.logprob_level == "token"
             return evaluate_all(self.policy, batch, False, self.dp, self.eval_chunk, tokens=tokens)[1]
 
+    def epochs(
+        self, batch: TrainBatch, used: Tensor, adv: Tensor, prox: Tensor, seed: int, extra: Optional[Extra] = None
+    ) -> Dict[str, float]:
+        """`algo.epochs` passes over the decision steps `used` [N, T], each in shuffled minibatches (as many per
+        sample whatever the batch's size, `minibatch_count`; the shuffle seeded by `seed`); the mean statistics."""
+        rows, cols = used.nonzero(as_tuple=True)
+        gen = torch.Generator().manual_seed(seed)
+        stats: Stats = {}
+        ref = self.reference_logprobs(batch)
+        count = minibatch_count(self.cfg, used_env_steps(batch.tensors, used))
+        for _ in range(self.cfg.epochs):
+            for mb in _minibatches(len(rows), count, gen):
+                self(batch, rows[mb], cols[mb], adv, prox, stats, extra, ref)
+        return _mean_stats(stats)
+
     def __call__(
         self,
         batch: TrainBatch,
@@ -402,6 +417,11 @@ def normalised(adv: Tensor, scored: Tensor) -> Tensor:
     return (adv - values.mean()) / (values.std() + 1e-8)
 
 
+def shuffle_seed(seed: int, version: int) -> int:
+    """The minibatch shuffle's seed of the update at policy `version` (the same in a resumed run)."""
+    return seed * 100003 + version
+
+
 def _minibatches(n: int, count: int, gen: torch.Generator) -> List[Tensor]:
     return [mb for mb in torch.randperm(n, generator=gen).chunk(count) if len(mb)]
 
@@ -491,11 +511,6 @@ class PPOLearner:
         valid = t["step_valid"]
         scored = t["mask"] & valid[..., None] if per_action else valid  # where an advantage exists
         adv = normalised(adv, scored)
-        rows, cols = valid.nonzero(as_tuple=True)
-        gen = torch.Generator().manual_seed(self.seed * 100003 + version)
-        stats: Stats = {}
-        ref = self.step.reference_logprobs(batch)
-
         cfg = self.cfg
         huber = cfg.huber_delta if cfg.value_loss == "huber" else None
 
@@ -512,11 +527,7 @@ class PPOLearner:
             value_loss = err.detach().mean() if len(err) else err.new_zeros(())
             return self.cfg.value_coef * err.sum() / max(total, 1), {"losses/value_loss": value_loss}
 
-        count = minibatch_count(cfg, used_env_steps(t, valid))
-        for _ in range(self.cfg.epochs):
-            for mb in _minibatches(len(rows), count, gen):
-                self.step(batch, rows[mb], cols[mb], adv, prox, stats, value_term, ref)
-        out = _mean_stats(stats)
+        out = self.step.epochs(batch, valid, adv, prox, shuffle_seed(self.seed, version), value_term)
         predicted = values[:, :-1][scored] if per_action else values[:, :-1][valid]
         out["losses/explained_variance"] = explained_variance(predicted, ret[scored])
         return out
@@ -606,15 +617,7 @@ class GRPOLearner:
             if self.cfg.offpolicy_correction == "decoupled"
             else batch.tensors[behaviour_key(self.cfg.logprob_level)]
         )
-        rows, cols = used.nonzero(as_tuple=True)
-        gen = torch.Generator().manual_seed(self.seed * 100003 + version)
-        stats: Stats = {}
-        ref = self.step.reference_logprobs(batch)
-        count = minibatch_count(self.cfg, used_env_steps(batch.tensors, used))
-        for _ in range(self.cfg.epochs):
-            for mb in _minibatches(len(rows), count, gen):
-                self.step(batch, rows[mb], cols[mb], adv, prox, stats, ref=ref)
-        return {**_mean_stats(stats), **info}
+        return {**self.step.epochs(batch, used, adv, prox, shuffle_seed(self.seed, version)), **info}
 
 
 @LEARNERS.register("synthetic")
