@@ -193,6 +193,27 @@ def test_a_torn_record_line_is_skipped(tmp_path: Path, capsys: pytest.CaptureFix
     assert "unreadable" not in text and "FAILED(1)" in text
 
 
+def test_a_resume_forgets_later_metrics_and_a_torn_line(tmp_path: Path) -> None:
+    """A resume from version 1's checkpoint keeps the metric lines through version 1; the line a crash tore goes
+    (it used to stop the resumed trainer with a JSON error)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for version in (0, 1, 2):
+        rundir.append_metrics(run_dir, {"version": version, "env_steps": 100 * version})
+    append(layout.METRICS, '{"version": 3, "env_st')(run_dir, tmp_path)
+    rundir.keep_metrics_through(run_dir, 1)
+    assert rundir.read_metrics(run_dir) == [{"version": 0, "env_steps": 0}, {"version": 1, "env_steps": 100}]
+    rundir.keep_metrics_through(tmp_path / "none", 1)  # a run without metrics yet: nothing to forget
+    assert not (tmp_path / "none").exists()
+
+
+def test_the_final_summary_round_trips(tmp_path: Path) -> None:
+    assert rundir.final_env_steps(tmp_path) == -1  # none yet
+    rundir.write_final_summary(tmp_path, 4, 2048, "rollout.total_env_steps", "0123abcd")
+    assert rundir.final_env_steps(tmp_path) == 2048
+    assert json.loads(RunDir(tmp_path).final.read_text())["ended_by"] == "rollout.total_env_steps"
+
+
 def test_a_record_of_the_wrong_shape_names_file_and_line(tmp_path: Path) -> None:
     run_dir = make_run(tmp_path / "runs")
     append(layout.EXIT_RECORD, '{"step": "job", "exit_code": "one", "start": 0, "end": 1}')(run_dir, tmp_path)

@@ -41,6 +41,7 @@ from vlaslurm.rundir.records import (
     exit_records,
     final_env_steps,
     job_outcome,
+    keep_metrics_through,
     read_eval,
     read_events,
     read_heartbeat,
@@ -49,6 +50,7 @@ from vlaslurm.rundir.records import (
     read_metrics,
     read_resolved_spec,
     restart_records,
+    write_final_summary,
     write_table,
 )
 
@@ -78,6 +80,7 @@ __all__ = [
     "fsync_quietly",
     "index_path",
     "job_outcome",
+    "keep_metrics_through",
     "layout",
     "list_runs",
     "new_run_dir",
@@ -97,5 +100,6 @@ __all__ = [
     "scan_runs",
     "write_atomic",
     "write_info",
+    "write_final_summary",
     "write_table",
 ]

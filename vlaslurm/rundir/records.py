@@ -157,6 +157,12 @@ RESTART_KEYS: Shape = {"role": str, "rank": int, "restart": int, "exit_code": in
 EVAL_KEYS: Shape = {"success": dict, "outcomes": dict, "episodes_per_task": dict}
 
 
+def write_final_summary(run_dir: Path, versions: int, env_steps: int, ended_by: str, checksum: str) -> None:
+    """The trainer's last word on a finished run (what `final_env_steps` reads), written atomically."""
+    summary = {"versions": versions, "env_steps": env_steps, "ended_by": ended_by, "checksum": checksum}
+    write_atomic(RunDir(run_dir).final, json.dumps(summary).encode(), mode=0o644)
+
+
 def final_env_steps(run_dir: Path) -> int:
     """The env steps a run's final summary (its trainer's last word) says it ended at; -1 without one, or with
     one that is damaged or does not say (summaries written before they recorded it)."""
@@ -245,6 +251,15 @@ def read_metrics(run_dir: Path) -> List[dict]:
 
 def append_metrics(run_dir: Path, record: Dict[str, Any]) -> None:
     append_line(RunDir(run_dir).metrics, json.dumps(record))
+
+
+def keep_metrics_through(run_dir: Path, version: int) -> None:
+    """Forget the metric lines past policy `version` (a resume from its checkpoint redoes them); a line that a crash
+    tore goes too. Rewritten atomically: a crash now leaves the old lines or the kept ones."""
+    path = RunDir(run_dir).metrics
+    if path.exists():
+        kept = [r for r in read_metrics(run_dir) if r.get("version", 0) <= version]
+        write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept).encode(), mode=0o644)
 
 
 def write_table(path: Path, frame: Any) -> None:

@@ -11,7 +11,6 @@ Details: docs/runtime.md
 
 from __future__ import annotations
 
-import json
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -28,7 +27,16 @@ from vlaslurm.algos.learners import DataParallel, make_learner
 from vlaslurm.algos.sharding import ShardedDataParallel
 from vlaslurm.log import get_logger, set_context
 from vlaslurm.models import build_policy, load_trained_state, publication_state
-from vlaslurm.rundir import Counters, EventLog, Heartbeat, RunDir, append_metrics, read_heartbeats
+from vlaslurm.rundir import (
+    Counters,
+    EventLog,
+    Heartbeat,
+    RunDir,
+    append_metrics,
+    keep_metrics_through,
+    read_heartbeats,
+    write_final_summary,
+)
 from vlaslurm.runtime import checkpoint as ckpt
 from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime import signals
@@ -169,14 +177,7 @@ class Collector:
         self.counters.values.update(state.counters)
         self.counters.add("resumes")
         self.ledger.rows = list(rows)
-        metrics = RunDir(self.ctx.run_dir).metrics
-        if metrics.exists():
-            kept = [
-                line
-                for line in metrics.read_text().splitlines()
-                if line.strip() and json.loads(line).get("version", 0) <= state.version
-            ]
-            metrics.write_text("".join(line + "\n" for line in kept))
+        keep_metrics_through(self.ctx.run_dir, state.version)
 
     def announce(self, version: int, stop: bool = False, force: bool = False) -> None:
         now = time.monotonic()
@@ -698,7 +699,8 @@ def lead(
         publisher.close()
     if drained:
         return signals.REQUEUE_EXIT
-    _save_final(policy if final is None else unsharded_policy(cfg, ctx, final), ctx, version + 1, col)
+    final_policy = policy if final is None else unsharded_policy(cfg, ctx, final)
+    _save_final(final_policy, ctx, version + 1, col.received_steps, col.target.reached)
     log.info(
         "finished: %d env steps, %d versions, %d segments dropped, %d discarded",
         col.received_steps,
@@ -976,14 +978,8 @@ def enter_device(ctx: RankContext, col: Collector, offloader: Offloader, version
     offloader.onload(version)
 
 
-def _save_final(policy, ctx: RankContext, versions: int, col: Collector) -> None:
+def _save_final(policy, ctx: RankContext, versions: int, env_steps: int, target_reached: bool) -> None:
     if hasattr(policy, "save_pretrained"):
         policy.save_pretrained(str(RunDir(ctx.run_dir).final_model))
-    ended_by = "rollout.stop_at_success" if col.target.reached else "rollout.total_env_steps"
-    summary = {
-        "versions": versions,
-        "env_steps": col.received_steps,
-        "ended_by": ended_by,
-        "checksum": ckpt.param_checksum(policy),
-    }
-    RunDir(ctx.run_dir).final.write_text(json.dumps(summary))
+    ended_by = "rollout.stop_at_success" if target_reached else "rollout.total_env_steps"
+    write_final_summary(ctx.run_dir, versions, env_steps, ended_by, ckpt.param_checksum(policy))
