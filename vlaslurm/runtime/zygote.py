@@ -54,7 +54,8 @@ class Zygote:
         )
         self.codes: Dict[int, int] = {}
         self.live: Set[int] = set()  # ranks forked whose exit is not reported yet
-        self._buffer = b""
+        assert self.proc.stdout is not None
+        self._replies = _Lines(self.proc.stdout.fileno())
         first = self._line(blocking=True)
         if first != {READY: True}:
             self.close()
@@ -102,20 +103,32 @@ class Zygote:
             self.proc.wait()
 
     def _line(self, blocking: bool) -> Optional[dict]:
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buffer:
-            if not blocking and not select.select([fd], [], [], 0)[0]:
-                return None
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                return None
-            self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
+        line = self._replies.next(None if blocking else 0.0)
+        if line is None:
+            return None
         try:
             return dict(json.loads(line))
         except ValueError:
             raise ZygoteError(f"the local launcher's zygote said {line[:200]!r}, not a JSON line") from None
+
+
+class _Lines:
+    """The lines read from a pipe: the zygote's requests on its stdin, its replies on the launcher's side."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.buffer, self.ended = fd, b"", False
+
+    def next(self, timeout_s: Optional[float]) -> Optional[bytes]:
+        """The next whole line (no newline), or None when none came within `timeout_s` (None: wait for one) or
+        the pipe ended (`ended`)."""
+        while b"\n" not in self.buffer:
+            if self.ended or (timeout_s is not None and not select.select([self.fd], [], [], timeout_s)[0]):
+                return None
+            chunk = os.read(self.fd, 65536)
+            self.ended = not chunk
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line
 
 
 # A launcher that starts several local runs (a benchmark, a sweep from a script, a test session) keeps the zygote
@@ -338,18 +351,14 @@ def serve(modules: Sequence[str]) -> int:
         print(f"zygote: importing {list(modules)} started {threads - 1} thread(s); not forking", file=sys.stderr)
         return 1
     _reply({READY: True})
-    buffer = b""
+    requests = _Lines(0)
     while True:
         _reap()
-        if b"\n" not in buffer:
-            if not select.select([0], [], [], POLL_S)[0]:
-                continue
-            chunk = os.read(0, 65536)
-            if not chunk:
+        line = requests.next(POLL_S)
+        if line is None:
+            if requests.ended:
                 return 0
-            buffer += chunk
             continue
-        line, buffer = buffer.split(b"\n", 1)
         request = json.loads(line)
         pid = _fork()
         if pid == 0:
