@@ -41,7 +41,7 @@ fi
 
 failed=0
 # script, step name, time limit in seconds (the steps aim to end 3 s before it: --budget-s)
-for entry in "s1_environment environment 10" "s2_weight_sync weight_sync 60" "s3_offload offload 45" \
+for entry in "s1_environment environment 20" "s2_weight_sync weight_sync 60" "s3_offload offload 45" \
              "s4_models models 90" "s5_trainer trainer 60" "s6_maniskill maniskill 30" "s7_pi0 pi0 45"; do
   read -r script name limit <<<"$entry"
   echo "== $name (limit $limit s)"

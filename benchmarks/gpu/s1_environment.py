@@ -87,4 +87,4 @@ def body(step: common.Step, device: Any) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(common.main("environment", 10.0, body, needs_cuda=False))
+    raise SystemExit(common.main("environment", 20.0, body, needs_cuda=False))
