@@ -21,6 +21,11 @@ import pytest
 from vlaslurm.slurm import local_cluster as lc
 
 REPO = Path(__file__).resolve().parent.parent
+
+# No MLflow in the suite's runs, local or on the cluster (every process a test starts inherits this), except where
+# a test turns it on (tests/test_tracking.py, tests/test_compare.py, against real MLflow): tracking's import and
+# its SQLite store cost a run ~3 s of CPU, and jobs used to track or not by which tests their worker had run before.
+os.environ.setdefault("VLASLURM_TRACKING", "off")
 SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol")
 
 

@@ -99,7 +99,6 @@ def run_spec(
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
     run_dir = tmp_path / name
-    os.environ.setdefault("VLASLURM_TRACKING", "off")  # the ranks inherit it: no MLflow in these runs
     loaded = load_spec(path, list(overrides))
     with preflight_off():
         rc = run_local(loaded, tmp_path / "runs", run_dir, echo=False, timeout_s=timeout_s)

@@ -121,7 +121,7 @@ def run(
     """A real local run (every role a process) of `base`; returns (run dir, wall seconds)."""
     spec = tmp / f"{name}.yaml"
     spec.write_text(yaml.safe_dump({**base, "rollout": {**base["rollout"], "total_env_steps": total}}))
-    env = {"VLASLURM_TRACKING": "on", **(env or {})}  # the ranks inherit it (other tests may have set it off)
+    env = {"VLASLURM_TRACKING": "on", **(env or {})}  # the ranks inherit it (the suite turns it off: conftest.py)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
