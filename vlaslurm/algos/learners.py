@@ -417,7 +417,7 @@ def normalised(adv: Tensor, scored: Tensor) -> Tensor:
     return (adv - values.mean()) / (values.std() + 1e-8)
 
 
-def shuffle_seed(seed: int, version: int) -> int:
+def _shuffle_seed(seed: int, version: int) -> int:
     """The minibatch shuffle's seed of the update at policy `version` (the same in a resumed run)."""
     return seed * 100003 + version
 
@@ -527,7 +527,7 @@ class PPOLearner:
             value_loss = err.detach().mean() if len(err) else err.new_zeros(())
             return self.cfg.value_coef * err.sum() / max(total, 1), {"losses/value_loss": value_loss}
 
-        out = self.step.epochs(batch, valid, adv, prox, shuffle_seed(self.seed, version), value_term)
+        out = self.step.epochs(batch, valid, adv, prox, _shuffle_seed(self.seed, version), value_term)
         predicted = values[:, :-1][scored] if per_action else values[:, :-1][valid]
         out["losses/explained_variance"] = explained_variance(predicted, ret[scored])
         return out
@@ -617,7 +617,7 @@ class GRPOLearner:
             if self.cfg.offpolicy_correction == "decoupled"
             else batch.tensors[behaviour_key(self.cfg.logprob_level)]
         )
-        return {**self.step.epochs(batch, used, adv, prox, shuffle_seed(self.seed, version)), **info}
+        return {**self.step.epochs(batch, used, adv, prox, _shuffle_seed(self.seed, version)), **info}
 
 
 @LEARNERS.register("synthetic")
