@@ -3,9 +3,13 @@ A real run that ends on it: tests/test_tracking.py (and the learning runs of tes
 
 from __future__ import annotations
 
+import json
+from collections import deque
+
 import pytest
 
-from vlaslurm.runtime.stopping import SuccessTarget
+from vlaslurm.rundir import keep_metrics_through, read_metrics
+from vlaslurm.runtime.stopping import EPISODES_KEY, SUCCESS_KEY, SuccessTarget
 from vlaslurm.spec import SpecError, load_spec
 
 
@@ -44,3 +48,21 @@ def test_a_target_outside_the_rates_is_refused_naming_the_field(tmp_path, overri
     with pytest.raises(SpecError) as err:
         load_spec(spec, [override])
     assert override.split("=")[0] in str(err.value) and words in str(err.value)
+
+
+def test_a_resumed_run_goes_on_from_the_reports_before_its_checkpoint(tmp_path) -> None:
+    """The trainer's resume refills the window from metrics.jsonl (what `keep_metrics_through` kept): a run that was
+    at its target's edge when it was preempted need not sustain it for a whole window again."""
+    rows = [
+        {"version": 1, SUCCESS_KEY: 0.25, EPISODES_KEY: 8},  # leaves the window of 2
+        {"version": 2, SUCCESS_KEY: float("nan"), EPISODES_KEY: 0},  # no episode finished: not a report
+        {"version": 3, SUCCESS_KEY: 0.75, EPISODES_KEY: 4},
+        {"version": 4, SUCCESS_KEY: 0.5, EPISODES_KEY: 6},  # past the checkpoint: forgotten
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    keep_metrics_through(tmp_path, 3)
+    target = SuccessTarget(0.5, window=2)
+    target.add_reports(read_metrics(tmp_path))
+    assert target.reports == deque([(2, 8), (3, 4)]) and target.rate == pytest.approx(5 / 12) and not target.reached
+    target.add(6, 6)  # the first report after the resume fills a window the old reports began
+    assert target.rate == pytest.approx(9 / 10) and target.reached

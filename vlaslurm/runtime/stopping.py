@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from typing import Deque, Optional, Tuple
+from typing import Deque, Iterable, Mapping, Optional, Tuple
+
+SUCCESS_KEY, EPISODES_KEY = "rollout/success_rate", "rollout/episodes"  # of the trainer's progress reports
 
 
 class SuccessTarget:
@@ -19,6 +22,14 @@ class SuccessTarget:
     def add(self, successes: int, episodes: int) -> None:
         if episodes > 0:
             self.reports.append((successes, episodes))
+
+    def add_reports(self, rows: Iterable[Mapping]) -> None:
+        """Add the trainer's progress reports as the run's metric lines hold them (`SUCCESS_KEY`, `EPISODES_KEY`):
+        a resumed run's window goes on from the reports before its checkpoint instead of starting empty."""
+        for row in rows:
+            episodes, rate = int(row.get(EPISODES_KEY) or 0), row.get(SUCCESS_KEY)
+            if episodes > 0 and isinstance(rate, (int, float)) and math.isfinite(rate):
+                self.add(round(rate * episodes), episodes)
 
     @property
     def rate(self) -> Optional[float]:

@@ -35,6 +35,7 @@ from vlaslurm.rundir import (
     append_metrics,
     keep_metrics_through,
     read_heartbeats,
+    read_metrics,
     write_final_summary,
 )
 from vlaslurm.runtime import checkpoint as ckpt
@@ -55,7 +56,7 @@ from vlaslurm.runtime.sharded import (
     send_command,
     send_meta,
 )
-from vlaslurm.runtime.stopping import SuccessTarget
+from vlaslurm.runtime.stopping import EPISODES_KEY, SUCCESS_KEY, SuccessTarget
 from vlaslurm.runtime.transport import Pub, Pull, rejection_counts
 from vlaslurm.runtime.weights import DEFAULT_BUCKET_BYTES, make_publisher
 from vlaslurm.spec.algo_types import AlgoConfig
@@ -178,6 +179,7 @@ class Collector:
         self.counters.add("resumes")
         self.ledger.rows = list(rows)
         keep_metrics_through(self.ctx.run_dir, state.version)
+        self.target.add_reports(read_metrics(self.ctx.run_dir))  # `rollout.stop_at_success` goes on, not anew
 
     def announce(self, version: int, stop: bool = False, force: bool = False) -> None:
         now = time.monotonic()
@@ -329,8 +331,8 @@ class Collector:
             "consumed_steps": self.consumed_steps,
             "wall_s": wall,
             "charts/SPS": self.received_steps / wall if wall > 0 else 0.0,
-            "rollout/success_rate": float(np.mean(self.window)) if self.window else float("nan"),
-            "rollout/episodes": len(self.window),
+            SUCCESS_KEY: float(np.mean(self.window)) if self.window else float("nan"),
+            EPISODES_KEY: len(self.window),
             "staleness/mean": float(lags.mean()),
             "staleness/p50": float(np.percentile(lags, 50)),
             "staleness/p99": float(np.percentile(lags, 99)),
@@ -345,7 +347,7 @@ class Collector:
             "progress v=%d env_steps=%d success=%.2f SPS=%.0f lag_mean=%.2f dropped=%d",
             version + 1,
             self.received_steps,
-            row["rollout/success_rate"],
+            row[SUCCESS_KEY],
             row["charts/SPS"],
             row["staleness/mean"],
             self.dropped,
