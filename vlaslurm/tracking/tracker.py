@@ -21,7 +21,16 @@ from pathlib import Path
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from vlaslurm.log import get_logger
-from vlaslurm.rundir import RunDir, final_env_steps, index_path, layout, read_ledger, write_atomic
+from vlaslurm.rundir import (
+    RunDir,
+    final_env_steps,
+    index_path,
+    layout,
+    read_info,
+    read_ledger,
+    read_metrics,
+    write_atomic,
+)
 from vlaslurm.tracking.buffer import Row, RowBuffer
 from vlaslurm.tracking.follow import RunFollower, numeric
 from vlaslurm.tracking.params import placement_params, run_tags, spec_params
@@ -315,13 +324,12 @@ class Tracker:
             prepare_sqlite(self.uri)
             self._client = MlflowClient(tracking_uri=self.uri)
         if self.run_id is None:
-            info_path = RunDir(self.run_dir).info
-            info = json.loads(info_path.read_text()) if info_path.exists() else {}
+            info = read_info(self.run_dir) if RunDir(self.run_dir).holds_run() else None
             run = self._client.create_run(
                 self._experiment_id(),
-                start_time=int(info.get("created", time.time()) * 1000),
+                start_time=int((info.created if info else time.time()) * 1000),
                 tags=run_tags(self.run_dir),
-                run_name=f"{info.get('name', self.run_dir.parent.name)}/{self.run_dir.name}",
+                run_name=f"{info.name if info else self.run_dir.parent.name}/{self.run_dir.name}",
             )
             self.run_id = run.info.run_id
             _write(self.run_dir / RUN_ID_FILE, self.run_id + "\n")
@@ -390,14 +398,8 @@ class Tracker:
             _write(RunDir(self.run_dir).tracking / layout.TRACKER_FAILED, json.dumps(failed, indent=1))
 
     def _metric_steps(self) -> List[int]:
-        path = RunDir(self.run_dir).metrics
-        steps = []
-        for line in path.read_text().splitlines() if path.exists() else []:
-            try:
-                steps.append(int(json.loads(line)["env_steps"]))
-            except (ValueError, KeyError):
-                continue
-        return steps
+        rows = read_metrics(self.run_dir) if RunDir(self.run_dir).metrics.exists() else []
+        return [int(row["env_steps"]) for row in rows if isinstance(row.get("env_steps"), (int, float))]
 
     def _final_status(self, step: int) -> str:
         """FINISHED for a run that reached its total or whose final summary covers `step` (one that reached
