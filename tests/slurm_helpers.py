@@ -6,6 +6,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Dict, Optional
 
 import pytest
 from conftest import vlaslurm
@@ -22,8 +23,9 @@ class Job:
     run_dir: Path
 
 
-def submit(root: Path, *args: str) -> Job:
-    proc = vlaslurm("submit", *args, "--site", "local", runs_root=root)
+def submit(root: Path, *args: str, env: Optional[Dict[str, str]] = None) -> Job:
+    """`vlaslurm submit` on the local site; `env` is added to the environment the job inherits."""
+    proc = vlaslurm("submit", *args, "--site", "local", runs_root=root, env=env)
     assert proc.returncode == 0, proc.stderr
     job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
     info = next(r for r in list_runs(root) if r.job_id == job_id)

