@@ -23,8 +23,9 @@ from vlaslurm.slurm import local_cluster as lc
 REPO = Path(__file__).resolve().parent.parent
 
 # No MLflow in the suite's runs, local or on the cluster (every process a test starts inherits this), except where
-# a test turns it on (tests/test_tracking.py, tests/test_compare.py, against real MLflow): tracking's import and
-# its SQLite store cost a run ~3 s of CPU, and jobs used to track or not by which tests their worker had run before.
+# a test turns it on against real MLflow (tests/test_tracking.py, tests/test_compare.py, the RoboTwin experiment's
+# Slurm job in tests/test_experiments_slurm.py): tracking's import and its SQLite store cost a run ~3 s of CPU, and
+# jobs used to track or not by which tests their worker had run before.
 os.environ.setdefault("VLASLURM_TRACKING", "off")
 SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol")
 
@@ -35,7 +36,7 @@ def missing_slurm_binaries() -> list:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
-    """Under pytest-xdist (`.ci/test` runs three workers, `--dist loadgroup`): every file's tests stay on one
+    """Under pytest-xdist (`.ci/test` runs four workers, `--dist loadgroup`): every file's tests stay on one
     worker, so a module's shared runs are made once, and every Slurm test goes to one worker, so that jobs
     queue against each other's deadlines only as they do in a serial run."""
     for item in items:
@@ -45,7 +46,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook, called on the controller with each worker's test ids
 def pytest_xdist_node_collection_finished(node, ids: List[str]) -> None:
-    """Refuse to run tests that lost their groups: xdist then spreads a file's tests over both workers,
+    """Refuse to run tests that lost their groups: xdist then spreads a file's tests over the workers,
     each making the module's shared runs (4 experiment jobs on Slurm twice at once). It happened silently
     twice: the hook above ran after xdist's, and pytest 9 keeps a test's id where xdist 3.8 cannot append
     the group (hence `pytest<9` in pyproject.toml)."""
@@ -59,7 +60,7 @@ def pytest_xdist_node_collection_finished(node, ids: List[str]) -> None:
 
 @pytest.fixture(autouse=True)
 def _one_torch_thread_per_worker() -> None:
-    """Under pytest-xdist (`.ci/test`: three workers on two cores) a test computes on one torch thread: two threads
+    """Under pytest-xdist (`.ci/test`: four workers on two cores) a test computes on one torch thread: two threads
     per worker oversubscribe the cores, and OpenMP's barriers then wait for descheduled threads (a micro-batch test
     took 25 s instead of 3 beside busy processes). Reset before every test: a library call may change it (the
     placement profiler takes a rank's CPUs)."""
