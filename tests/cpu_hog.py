@@ -22,7 +22,7 @@ def _spin() -> None:
 
 
 def hog_processes() -> int:
-    """How many busy processes: half the cores (at least one), beside the suite's own two workers."""
+    """How many busy processes: half the cores (at least one), beside the suite's own workers."""
     return max(1, (os.cpu_count() or 2) // 2) if os.environ.get(ENV) == "1" else 0
 
 
