@@ -60,9 +60,11 @@ def test_a_resumed_run_goes_on_from_the_reports_before_its_checkpoint(tmp_path) 
         {"version": 4, SUCCESS_KEY: 0.5, EPISODES_KEY: 6},  # past the checkpoint: forgotten
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    keep_metrics_through(tmp_path, 3)
+    kept = keep_metrics_through(tmp_path, 3)
+    versions = [[r["version"] for r in lines] for lines in (kept, read_metrics(tmp_path))]
+    assert versions == [[1, 2, 3], [1, 2, 3]]  # what it returns is what the file now holds
     target = SuccessTarget(0.5, window=2)
-    target.add_reports(read_metrics(tmp_path))
+    target.add_reports(kept)
     assert target.reports == deque([(2, 8), (3, 4)]) and target.rate == pytest.approx(5 / 12) and not target.reached
     target.add(6, 6)  # the first report after the resume fills a window the old reports began
     assert target.rate == pytest.approx(9 / 10) and target.reached

@@ -253,13 +253,15 @@ def append_metrics(run_dir: Path, record: Dict[str, Any]) -> None:
     append_line(RunDir(run_dir).metrics, json.dumps(record))
 
 
-def keep_metrics_through(run_dir: Path, version: int) -> None:
+def keep_metrics_through(run_dir: Path, version: int) -> List[Dict[str, Any]]:
     """Forget the metric lines past policy `version` (a resume from its checkpoint redoes them); a line that a crash
-    tore goes too. Rewritten atomically: a crash now leaves the old lines or the kept ones."""
+    tore goes too. Rewritten atomically: a crash now leaves the old lines or the kept ones. Returns the kept lines."""
     path = RunDir(run_dir).metrics
-    if path.exists():
-        kept = [r for r in read_metrics(run_dir) if r.get("version", 0) <= version]
-        write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept).encode(), mode=0o644)
+    if not path.exists():
+        return []
+    kept = [r for r in read_metrics(run_dir) if r.get("version", 0) <= version]
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept).encode(), mode=0o644)
+    return kept
 
 
 def write_table(path: Path, frame: Any) -> None:

@@ -398,8 +398,7 @@ class Tracker:
             _write(RunDir(self.run_dir).tracking / layout.TRACKER_FAILED, json.dumps(failed, indent=1))
 
     def _metric_steps(self) -> List[int]:
-        rows = read_metrics(self.run_dir) if RunDir(self.run_dir).metrics.exists() else []
-        return [int(row["env_steps"]) for row in rows if isinstance(row.get("env_steps"), (int, float))]
+        return [int(r["env_steps"]) for r in read_metrics(self.run_dir) if isinstance(r.get("env_steps"), (int, float))]
 
     def _final_status(self, step: int) -> str:
         """FINISHED for a run that reached its total or whose final summary covers `step` (one that reached

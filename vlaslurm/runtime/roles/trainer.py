@@ -35,7 +35,6 @@ from vlaslurm.rundir import (
     append_metrics,
     keep_metrics_through,
     read_heartbeats,
-    read_metrics,
     write_final_summary,
 )
 from vlaslurm.runtime import checkpoint as ckpt
@@ -178,8 +177,8 @@ class Collector:
         self.counters.values.update(state.counters)
         self.counters.add("resumes")
         self.ledger.rows = list(rows)
-        keep_metrics_through(self.ctx.run_dir, state.version)
-        self.target.add_reports(read_metrics(self.ctx.run_dir))  # `rollout.stop_at_success` goes on, not anew
+        kept = keep_metrics_through(self.ctx.run_dir, state.version)
+        self.target.add_reports(kept)  # `rollout.stop_at_success` goes on from them, not anew
 
     def announce(self, version: int, stop: bool = False, force: bool = False) -> None:
         now = time.monotonic()
