@@ -266,6 +266,23 @@ def test_log_never_blocks_and_close_keeps_its_deadline(tmp_path, kind):
     hole.close()
 
 
+def test_a_run_that_ends_before_the_writer_has_started_is_still_tracked(tmp_path):
+    """A fresh SQLite store takes its schema (MLflow's migrations: ~1.5 s here, tens of seconds on a busy node, as
+    a Slurm job of the suite once showed) before the writer can make its run: a run that ends sooner still gets its
+    MLflow run and its rows, because close's short deadline counts from the writer's start."""
+    from mlflow.tracking import MlflowClient
+
+    run_dir = tmp_path / "runs" / "x" / "20261207-000000"
+    run_dir.mkdir(parents=True)
+    uri = f"sqlite:///{tmp_path / 'fresh' / 'mlflow.db'}"
+    tracker = Tracker(run_dir, uri, "x", poll_s=0.1).start()
+    tracker.log({"loss": 1.5}, 7)
+    summary = tracker.close(timeout_s=0.1)  # far shorter than the migrations
+    assert summary["run_id"] and summary["sent_rows"] >= 1 and not summary["pending_rows"], summary
+    run = MlflowClient(tracking_uri=uri).get_run(str(summary["run_id"]))
+    assert run.info.status == "FINISHED" and run.data.metrics["loss"] == 1.5
+
+
 # ------------------------------------------------------------------ real runs, real server
 
 

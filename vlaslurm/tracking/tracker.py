@@ -41,6 +41,9 @@ RUN_ID_FILE = layout.MLFLOW_RUN_ID
 STATE_DIR = layout.TRACKING  # <run_dir>/tracking/: what the tracker writes besides mlflow_run_id
 SWITCH_ENV = "VLASLURM_TRACKING"  # "off" turns tracking off
 CLOSE_ENV = "VLASLURM_TRACKING_CLOSE_S"  # close deadline (default 10 s)
+# The most a run's normal end waits for the writer's own start (MLflow's import, a new SQLite store's schema):
+# seconds, tens on a busy node, and local work, not an outage that close's deadline is for.
+STARTUP_WAIT_S = 120.0
 MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch
 MAX_PARAMS = 100  # ... and of params
 # MLflow error codes that mean "never": dropped (and counted) rather than retried.
@@ -148,6 +151,7 @@ class Tracker:
         self._deadline = float("inf")
         self._status: Optional[str] = None
         self._stop = threading.Event()
+        self._started = threading.Event()  # the writer has made its MLflow client, or failed to
         self._thread = threading.Thread(target=self._loop, name="vlaslurm-tracker", daemon=True)
 
     # ----------------------------------------------------------------- the caller's side (never blocks)
@@ -179,6 +183,9 @@ class Tracker:
     def close(self, timeout_s: Optional[float] = None, status: Optional[str] = None) -> Dict[str, object]:
         """Add the final metrics and artifacts, flush until the deadline, and return a summary.
 
+        The deadline counts from the writer's start: a run that ends normally first waits (up to
+        `STARTUP_WAIT_S`) for the writer to import MLflow and open its store, if it has not yet.
+
         The run's MLflow status: `status`, else FAILED when called while an exception propagates
         (from a `finally`), KILLED for an interrupt or a run stopped short of rollout.total_env_steps
         (a drain before a requeue) whose final summary does not cover it (`_final_status`: a run that reached
@@ -189,6 +196,10 @@ class Tracker:
         if status is None and exc is not None:
             status = "KILLED" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else "FAILED"
         self._status = status
+        # A run shorter than the writer's start would otherwise end untracked (seen: a Slurm job whose MLflow import
+        # took 17 s); a failing run does not wait for it.
+        if exc is None and self._thread.is_alive() and not self._started.wait(STARTUP_WAIT_S):
+            log.warning("tracking: MLflow's client still not ready after waiting %g s at the run's end", STARTUP_WAIT_S)
         self._deadline = time.monotonic() + timeout_s
         self._stop.set()
         if self._thread.is_alive():
@@ -319,10 +330,13 @@ class Tracker:
 
     def _ensure_run(self):
         if self._client is None:
-            from mlflow.tracking import MlflowClient
+            try:
+                from mlflow.tracking import MlflowClient
 
-            prepare_sqlite(self.uri)
-            self._client = MlflowClient(tracking_uri=self.uri)
+                prepare_sqlite(self.uri)
+                self._client = MlflowClient(tracking_uri=self.uri)
+            finally:
+                self._started.set()
         if self.run_id is None:
             info = read_info(self.run_dir) if RunDir(self.run_dir).holds_run() else None
             run = self._client.create_run(
