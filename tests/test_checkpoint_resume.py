@@ -136,6 +136,35 @@ def test_killed_trainer_stops_the_run_quickly_and_the_last_checkpoint_resumes(tm
     assert again.returncode == 2 and "is COMPLETED" in again.stderr
 
 
+def test_a_resumed_run_ends_on_a_success_window_its_predecessor_began(tmp_path: Path) -> None:
+    """`rollout.stop_at_success` over the last 6 progress reports, every episode a success (synthetic env): the run
+    ends after its 6th update, interrupted or not. Resumed from a checkpoint before that, the window goes on from the
+    reports the checkpoint kept; begun anew, it would need 6 more updates."""
+    from runtime_helpers import synthetic_spec
+
+    window = 6
+    # Updates of 0.5 s, so that the cut after the 2nd lands before the 6th; episodes of 4 steps end in every phase.
+    spec = synthetic_spec(
+        "sync", num_envs=4, episode_steps=4, steps_per_update=32, update_ms=500, total_env_steps=32 * 20
+    )
+    spec["env"]["success_prob"] = 1.0
+    spec["rollout"].update(stop_at_success=1.0, stop_window=window)
+    spec["checkpoint"] = {"every_versions": 1, "keep": 2}
+    whole = run_spec(tmp_path, spec, name="whole")
+    assert whole.rc == 0, whole.log("trainer", 0)[-3000:]
+    assert final(whole.run_dir)["versions"] == window and final(whole.run_dir)["ended_by"] == "rollout.stop_at_success"
+
+    cut = run_interrupted(tmp_path, spec, [], after_version=2, sig=signal.SIGUSR2)
+    assert cut.rc == REQUEUE_EXIT, cut.log("trainer", 0)[-3000:]
+    saved = ckpt.latest(cut.run_dir)
+    assert saved is not None and 2 <= int(saved.name[1:]) < window  # the window is part-filled at the checkpoint
+    rc = resume_local(read_info(cut.run_dir), echo=False, timeout_s=120)
+    assert rc == 0, cut.log("trainer", 0)[-3000:]
+    assert final(cut.run_dir)["versions"] == window, final(cut.run_dir)
+    assert final(cut.run_dir)["ended_by"] == "rollout.stop_at_success"
+    assert cut.log("trainer", 0).count(f"of the last {window} reports reached rollout.stop_at_success") == 1
+
+
 def test_resume_without_a_checkpoint_is_a_user_error(tmp_path: Path) -> None:
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "run.json").write_text(
