@@ -277,10 +277,12 @@ def test_a_run_that_ends_before_the_writer_has_started_is_still_tracked(tmp_path
     uri = f"sqlite:///{tmp_path / 'fresh' / 'mlflow.db'}"
     tracker = Tracker(run_dir, uri, "x", poll_s=0.1).start()
     tracker.log({"loss": 1.5}, 7)
-    summary = tracker.close(timeout_s=0.1)  # far shorter than the migrations
-    assert summary["run_id"] and summary["sent_rows"] >= 1 and not summary["pending_rows"], summary
+    # Far shorter than the migrations. Once the writer has started it applies: on a busy machine it can cut the final
+    # rows and the run's status (a real run's 10 s do not), so only what the writer sent as it started is checked.
+    summary = tracker.close(timeout_s=0.1)
+    assert summary["run_id"] and summary["sent_rows"] >= 1, summary
     run = MlflowClient(tracking_uri=uri).get_run(str(summary["run_id"]))
-    assert run.info.status == "FINISHED" and run.data.metrics["loss"] == 1.5
+    assert run.data.metrics["loss"] == 1.5
 
 
 # ------------------------------------------------------------------ real runs, real server
