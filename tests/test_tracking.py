@@ -251,10 +251,14 @@ def test_log_never_blocks_and_close_keeps_its_deadline(tmp_path, kind):
         hole.close()
     (tmp_path / "run.json").write_text(json.dumps({"name": "x", "created": time.time()}))
     tracker = Tracker(tmp_path, f"http://127.0.0.1:{port}", "x", capacity=1000, request_timeout_s=1, poll_s=0.1).start()
-    t0 = time.monotonic()
+    # No call waits for the server: a blocked one would take at least the request timeout (1 s). The whole loop's
+    # time is no measure of that (it took 2.6 s beside the writer's MLflow import in a loaded suite).
+    slowest = 0.0
     for i in range(20_000):
+        t0 = time.perf_counter()
         tracker.log({"loss": float(i)}, i)
-    assert time.monotonic() - t0 < 2.0
+        slowest = max(slowest, time.perf_counter() - t0)
+    assert slowest < 0.5, f"one log() call took {slowest:.2f} s"
     deadline = time.monotonic() + 60  # the writer imports MLflow first (seconds), then tries and fails
     while tracker.failures < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
