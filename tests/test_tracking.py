@@ -289,6 +289,24 @@ def test_a_run_that_ends_before_the_writer_has_started_is_still_tracked(tmp_path
     assert run.data.metrics["loss"] == 1.5
 
 
+def test_a_draining_run_does_not_wait_for_the_writers_start(tmp_path, monkeypatch):
+    """A drain before a requeue (`wait_for_start=False`) keeps close's short deadline: Slurm's kill is near. The
+    writer's start is held open here (a stand-in for a slow MLflow import, which cannot be made slow on demand)."""
+    from vlaslurm.tracking import tracker as tracker_module
+
+    release = threading.Event()
+    monkeypatch.setattr(tracker_module, "prepare_sqlite", lambda uri: release.wait(30))
+    run_dir = tmp_path / "runs" / "x" / "20261207-000000"
+    run_dir.mkdir(parents=True)
+    tracker = Tracker(run_dir, f"sqlite:///{tmp_path / 'mlflow.db'}", "x", poll_s=0.1).start()
+    tracker.log({"loss": 1.5}, 7)
+    try:
+        summary = tracker.close(timeout_s=0.1, wait_for_start=False)
+        assert summary["run_id"] is None and summary["pending_rows"] == 1, summary  # it did not wait
+    finally:
+        release.set()
+
+
 # ------------------------------------------------------------------ real runs, real server
 
 

@@ -180,11 +180,14 @@ class Tracker:
             (f"artifact {Path(path).name}", lambda client: self._upload(client, Path(path), artifact_path))
         )
 
-    def close(self, timeout_s: Optional[float] = None, status: Optional[str] = None) -> Dict[str, object]:
+    def close(
+        self, timeout_s: Optional[float] = None, status: Optional[str] = None, wait_for_start: bool = True
+    ) -> Dict[str, object]:
         """Add the final metrics and artifacts, flush until the deadline, and return a summary.
 
         The deadline counts from the writer's start: a run that ends normally first waits (up to
-        `STARTUP_WAIT_S`) for the writer to import MLflow and open its store, if it has not yet.
+        `STARTUP_WAIT_S`) for the writer to import MLflow and open its store, if it has not yet; one that
+        fails, or drains before a requeue (`wait_for_start=False`: Slurm's kill is near), does not.
 
         The run's MLflow status: `status`, else FAILED when called while an exception propagates
         (from a `finally`), KILLED for an interrupt or a run stopped short of rollout.total_env_steps
@@ -197,8 +200,9 @@ class Tracker:
             status = "KILLED" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else "FAILED"
         self._status = status
         # A run shorter than the writer's start would otherwise end untracked (seen: a Slurm job whose MLflow import
-        # took 17 s); a failing run does not wait for it.
-        if exc is None and self._thread.is_alive() and not self._started.wait(STARTUP_WAIT_S):
+        # took 17 s).
+        starting = wait_for_start and exc is None and self._thread.is_alive()
+        if starting and not self._started.wait(STARTUP_WAIT_S):
             log.warning("tracking: MLflow's client still not ready after waiting %g s at the run's end", STARTUP_WAIT_S)
         self._deadline = time.monotonic() + timeout_s
         self._stop.set()
@@ -446,7 +450,9 @@ class NoTracker:
     def log_artifact(self, path: Path, artifact_path: Optional[str] = None) -> None:
         pass
 
-    def close(self, timeout_s: Optional[float] = None, status: Optional[str] = None) -> Dict[str, object]:
+    def close(
+        self, timeout_s: Optional[float] = None, status: Optional[str] = None, wait_for_start: bool = True
+    ) -> Dict[str, object]:
         return {}
 
 

@@ -696,7 +696,8 @@ def lead(
         col.drain(version, deadline_s=2.0 if drained else None)
         col.close()
         evals.close(wait_s=0.0 if drained else ctx.deadlines.running_s)  # before the tracker: its result is sent
-        tracker.close(status="FINISHED" if finished and col.target.reached else None)  # short of the total
+        # FINISHED: a run that reached rollout.stop_at_success ends short of the total
+        tracker.close(status="FINISHED" if finished and col.target.reached else None, wait_for_start=not drained)
         publisher.close()
     if drained:
         return signals.REQUEUE_EXIT
