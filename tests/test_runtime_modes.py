@@ -59,9 +59,15 @@ def test_mode_completes_with_two_ranks_per_role(mode_runs: Dict[str, Run], mode:
     assert max(ends) - min(ends) < 5.0, exits
     ledger = run.ledger
     assert ledger.steps.sum() >= 480
-    # what the trainer consumed up to its last update: used, or dropped as stale (async under `drop`, beside CI's
-    # CPU hog, dropped 238 of 572 env steps once)
-    assert ledger[ledger.used | ledger.dropped].steps.sum() >= 480 - 64
+    # What the trainer consumed up to its last update (used, or dropped as stale) is in the ledger, all of it.
+    consumed = ledger[ledger.used | ledger.dropped].steps.sum()
+    last = json.loads((run.run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert consumed == last["consumed_steps"], last
+    # Lock-step modes consume every phase whole. Async's trainer consumes what has arrived by its updates: one that
+    # the CPU hog held back found 580 env steps waiting at its second update once and stopped with 440 unconsumed
+    # (and under `drop` it dropped 238 of 572 once).
+    if mode != "async":
+        assert consumed >= 480 - 64
     # Both simulators shipped, both generators served, both trainers ran every update.
     assert set(ledger.sim_rank) == {0, 1}
     assert {b["rank"] for b in run.events("batch", "generator")} == {0, 1}
@@ -127,10 +133,10 @@ def test_pipelined_overlaps_serving_and_stepping_sync_never_does(mode_runs: Dict
                 per_sim[sim][1] += any(overlaps((batch["t0"], batch["t1"]), (s["t0"], s["t1"])) for s in others)
         counts[mode] = per_sim
     # Quiet machine: about half overlap. A CPU hog beside the run serialises the ranks and shrinks it (16% seen at
-    # load 15; one simulator 3 of 36 and the other 13 of 43 beside two more busy loops): sync's zero is exact, so
-    # some overlap on each simulator and a tenth over both still tell the two apart.
+    # load 15; one simulator 3 of 36 and the other 13 of 43 beside two more busy loops; once 8 of 37 and 0 of 32):
+    # sync's zero is exact, so a tenth over both simulators still tells the two apart.
     pipelined = counts["pipelined"].values()
-    assert all(batches > 0 and overlapping > 0 for batches, overlapping in pipelined), counts
+    assert all(batches > 0 for batches, _ in pipelined), counts
     assert sum(overlapping for _, overlapping in pipelined) >= 0.1 * sum(batches for batches, _ in pipelined), counts
     assert all(batches > 0 and overlapping == 0 for batches, overlapping in counts["sync"].values()), counts
 
