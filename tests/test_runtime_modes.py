@@ -8,7 +8,6 @@ segments in the ledger against the simulators' shipped counts.
 
 from __future__ import annotations
 
-import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +19,7 @@ from cpu_hog import cpu_hog as cpu_load
 from runtime_helpers import RANKS_2, Run, check_trained_versions, overlaps, run_spec, synthetic_spec
 
 from vlaslurm.envs import make_env, synthetic
-from vlaslurm.rundir import RunDir
+from vlaslurm.rundir import read_metrics
 from vlaslurm.runtime.episodes import run_chunk
 from vlaslurm.spec.env_types import StepTimeConfig, SyntheticEnvConfig
 
@@ -61,7 +60,7 @@ def test_mode_completes_with_two_ranks_per_role(mode_runs: Dict[str, Run], mode:
     assert ledger.steps.sum() >= 480
     # What the trainer consumed up to its last update (used, or dropped as stale) is in the ledger, all of it.
     consumed = ledger[ledger.used | ledger.dropped].steps.sum()
-    last = json.loads((run.run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    last = read_metrics(run.run_dir)[-1]
     assert consumed == last["consumed_steps"], last
     # Lock-step modes consume every phase whole. Async's trainer consumes what has arrived by its updates: one that
     # the CPU hog held back found 580 env steps waiting at its second update once and stopped with 440 unconsumed
@@ -329,7 +328,7 @@ def test_sync_success_rate_counts_only_the_episodes_begun_at_a_phase_reset(tmp_p
     first = ends.groupby(["env_id", "behavior_version"]).episode.transform("min")
     assert (ends.scored == (ends.episode == first)).all()
     assert (~ends.scored).sum() > 0
-    rows = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics(run.run_dir)
     assert [r["rollout/episodes"] for r in rows] == [4] * len(rows)  # one per env and phase, never the second
 
 
@@ -357,7 +356,7 @@ def test_executing_part_of_each_chunk_still_fills_each_update(tmp_path: Path, mo
     spec["model"]["execute_actions"] = 2
     run = run_spec(tmp_path, spec, name=f"executed-{mode}")
     assert run.rc == 0, run.log("trainer", 0)[-3000:]
-    rows = [json.loads(line) for line in RunDir(run.run_dir).metrics.read_text().splitlines() if line.strip()]
+    rows = read_metrics(run.run_dir)
     # Every update used at least steps_per_update executed steps (counted as slots, an update would take half).
     # Sync's phases are exactly one update each; async's number of updates depends on the timing (a loaded
     # machine made async's second update take 72 steps of which some were stale: 2 updates for the 96).
