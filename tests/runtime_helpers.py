@@ -11,6 +11,8 @@ import contextlib
 import glob
 import json
 import os
+import select
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ import pandas as pd
 import yaml
 
 from vlaslurm.rundir import read_events, read_ledger
+from vlaslurm.runtime import stream
 from vlaslurm.runtime.local import run_local
 from vlaslurm.spec import load_spec
 
@@ -188,3 +191,44 @@ def member_pid(run_dir: Path, role: str, rank: int) -> int:
     """The pid in the newest rendezvous file of role[rank] (0 until it has joined)."""
     files = sorted((run_dir / "rendezvous").glob(f"*/{role}-{rank}.json"), key=lambda p: p.stat().st_mtime)
     return json.loads(files[-1].read_text())["pid"] if files else 0
+
+
+class RawStream:
+    """A keyless process on a Router's wire (`vlaslurm.runtime.stream`): a hello with any routing id, then
+    whatever frames it likes (no envelope, no MAC unless it brings them)."""
+
+    def __init__(self, endpoint: str, identity: Optional[bytes] = b"raw") -> None:
+        self.sock = socket.create_connection(stream.parse_endpoint(endpoint), timeout=10)
+        if identity is not None:
+            self.sock.sendall(stream.hello(identity))
+
+    def send(self, frames: Sequence[bytes]) -> None:
+        header, views = stream.message_header(frames)
+        self.sock.sendall(header)
+        for view in views:
+            self.sock.sendall(view)
+
+    def has_input(self, timeout_s: float) -> bool:
+        return bool(select.select([self.sock], [], [], timeout_s)[0])
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> RawStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def raw_stream_send(endpoint: str, messages: Sequence[Sequence[bytes]], identity: bytes = b"raw") -> None:
+    """`messages` through one keyless connection, in this order; a peer that drops the connection (an
+    oversized frame) ends the sending quietly."""
+    with RawStream(endpoint, identity) as raw:
+        try:
+            for frames in messages:
+                raw.send(frames)
+            raw.sock.shutdown(socket.SHUT_WR)
+            raw.has_input(5)  # the peer's end of stream once it read everything (or its drop)
+        except OSError:
+            pass

@@ -17,9 +17,8 @@ import time
 from pathlib import Path
 
 import msgpack
-import zmq
 from listen_helpers import is_wildcard, listening
-from runtime_helpers import run_spec, synthetic_spec, wait_for
+from runtime_helpers import RawStream, run_spec, synthetic_spec, wait_for
 
 from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime.transport import WIRE_VERSION, Dealer, Message, Push
@@ -60,15 +59,14 @@ def test_wrong_or_missing_secret_is_refused_and_logged(tmp_path: Path) -> None:
             dealer.connect(f"tcp://{gen['address']}:{gen['ports']['obs']}")
             dealer.send(request, timeout_ms=5000)
             assert dealer.recv(1000) is None  # no answer to a forged request
-        raw = zmq.Context.instance().socket(zmq.DEALER)  # no envelope, no MAC at all
-        raw.connect(f"tcp://{gen['address']}:{gen['ports']['obs']}")
-        raw.send_multipart([msgpack.packb({"v": WIRE_VERSION, "h": b"kind", "mac": b""})])
+        raw = RawStream(f"tcp://{gen['address']}:{gen['ports']['obs']}")  # no envelope, no MAC at all
+        raw.send([msgpack.packb({"v": WIRE_VERSION, "h": b"kind", "mac": b""})])
         forged = Message(msgs.SEGMENT, {"traj_id": "forged"})
         with Push(wrong, name="forger") as push:
             push.connect(f"tcp://{trainer['address']}:{trainer['ports']['segments']}")
             push.send(forged, timeout_ms=5000)
             time.sleep(0.5)
-        raw.close(0)
+        raw.close()
     finally:
         runner.join(120)
     run = result["run"]

@@ -11,8 +11,8 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
-import zmq
 from conftest import LogRecords
+from runtime_helpers import RawStream
 
 from vlaslurm.rundir.secret import SecretError, create_secret, ensure_secret, load_secret, secret_path
 from vlaslurm.runtime.transport import (
@@ -190,20 +190,14 @@ def test_forged_messages_are_dropped_counted_and_logged(transport_log: LogRecord
         Dealer(KEY, identity=b"honest") as honest,
     ):
         endpoint = server.bind(LOOPBACK)
-        raw = zmq.Context.instance().socket(zmq.DEALER)
-        raw.setsockopt(zmq.LINGER, 0)
-        raw.setsockopt(zmq.ROUTING_ID, b"garbage")
-        try:
-            for sock in (forger, honest):
-                sock.connect(endpoint)
-            raw.connect(endpoint)
+        for sock in (forger, honest):
+            sock.connect(endpoint)
+        with RawStream(endpoint, identity=b"garbage") as raw:  # a keyless peer: no envelope, no MAC
             forger.send(Message("obs", {}, {"a": np.zeros(4, np.float32)}))
-            raw.send_multipart([b"not msgpack", b"junk"])
+            raw.send([b"not msgpack", b"junk"])
             assert server.recv(500) is None  # both dropped; the wait went on to its deadline
             honest.send(Message("obs", {"ok": True}))
             got = server.recv(5_000)
-        finally:
-            raw.close()
     assert got is not None and got[0] == b"honest" and got[1].meta == {"ok": True}
     assert server.rejected == 2
     assert any(b"intruder".hex() in m and "MAC" in m for m in transport_log.messages)

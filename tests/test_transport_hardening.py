@@ -26,7 +26,7 @@ import pytest
 import torch.distributed as dist
 import zmq
 from conftest import LogRecords
-from runtime_helpers import check_trained_versions, run_spec, synthetic_spec, wait_for
+from runtime_helpers import RawStream, check_trained_versions, raw_stream_send, run_spec, synthetic_spec, wait_for
 
 from vlaslurm.runtime import messages as msgs
 from vlaslurm.runtime.transport import (
@@ -120,7 +120,7 @@ def test_a_message_signed_for_one_channel_is_refused_on_another(transport_log: L
         pub.bind(LOOPBACK)
         endpoint = router.bind(LOOPBACK)
         recorded = recorded_announcement(pub)
-        replay(recorded, endpoint, zmq.DEALER)
+        raw_stream_send(endpoint, [recorded])
         assert router.recv(500) is None
         assert router.rejections == {"mac": 1}
         honest.connect(endpoint)
@@ -386,9 +386,16 @@ def test_routing_ids_are_unpredictable() -> None:
     ids = {routing_id("simulator-0") for _ in range(200)}
     assert len(ids) == 200
     assert all(re.fullmatch(rb"simulator-0-[0-9a-f]{24}", i) for i in ids)  # 96 random bits each
-    with Dealer(SECRET, name="obs->generator[0]") as a, Dealer(SECRET, name="obs->generator[0]") as b:
+    with (
+        Router(SECRET) as router,
+        Dealer(SECRET, name="obs->generator[0]") as a,
+        Dealer(SECRET, name="obs->generator[0]") as b,
+    ):
         assert a.identity != b.identity
-        assert a.socket.getsockopt(zmq.ROUTING_ID) == a.identity
+        a.connect(router.bind(LOOPBACK))
+        a.send(Message("obs"))
+        got = router.recv(5000)
+        assert got is not None and got[0] == a.identity  # the id the Router routes replies by
 
 
 def test_a_squatter_cannot_take_a_simulators_replies() -> None:
@@ -397,10 +404,7 @@ def test_a_squatter_cannot_take_a_simulators_replies() -> None:
     channels = msgs.generator_channels("job-r0", 0, 1)
     with Router(SECRET, **channels) as router, Dealer(SECRET, identity=routing_id("simulator-0"), **channels) as sim:
         endpoint = router.bind(LOOPBACK)
-        squatter = raw_socket(zmq.DEALER)
-        squatter.setsockopt(zmq.ROUTING_ID, f"simulator-0-{os.getpid()}".encode())
-        squatter.connect(endpoint)
-        try:
+        with RawStream(endpoint, identity=f"simulator-0-{os.getpid()}".encode()) as squatter:
             time.sleep(0.2)
             sim.connect(endpoint)
             sim.send(msgs.encode_obs(obs_request()))
@@ -408,9 +412,7 @@ def test_a_squatter_cannot_take_a_simulators_replies() -> None:
             assert got is not None and got[0] == sim.identity
             router.send(got[0], Message(msgs.ACT))
             assert sim.recv(5000) is not None
-            assert not squatter.poll(200)
-        finally:
-            squatter.close()
+            assert not squatter.has_input(0.2)
 
 
 # --------------------------------------------------------------------------- a real run
@@ -507,7 +509,7 @@ def test_a_running_job_survives_replays_wrong_kinds_and_counts_them(tmp_path: Pa
         assert spy.poll(10_000), "no announcement heard"
         recorded = spy.recv_multipart()
         spy.close()
-        replay(recorded, gen_endpoint, zmq.DEALER, times=3)
+        raw_stream_send(gen_endpoint, [recorded] * 3)
 
         channels = msgs.generator_channels(job_key, 0, gen["pid"])
         with Dealer(secret, **channels, name="confused") as confused:  # a key holder's mistake: wrong kind
@@ -522,8 +524,8 @@ def test_a_running_job_survives_replays_wrong_kinds_and_counts_them(tmp_path: Pa
         # Once taken (a harmless report), once a replay, then one far below the newest of its session.
         replay_in_order([report[0], report[0], report[1]], intake)
 
-        for endpoint, kind in ((gen_endpoint, zmq.DEALER), (intake, zmq.PUSH)):
-            replay([bytes(32 << 20)], endpoint, kind)  # well past the spec's bound: refused unread
+        raw_stream_send(gen_endpoint, [[bytes(32 << 20)]])  # well past the spec's bound: refused unread
+        replay([bytes(32 << 20)], intake, zmq.PUSH)
         wait_for(lambda: len(tamperer.forged) >= 30, 30, "thirty forged weight flags")
     finally:
         if tamperer is not None:
@@ -541,7 +543,9 @@ def test_a_running_job_survives_replays_wrong_kinds_and_counts_them(tmp_path: Pa
     assert trainer_counters["rejected_replay"] >= 1 and trainer_counters["rejected_out_of_window"] >= 1
     assert trainer_counters["rejected_messages"] >= 2
     assert trainer_counters["rejected_store_values"] >= 1 and generator["rejected_store_values"] >= 1
-    # Read and then refused, the oversized frames would be `malformed` rejections: ZeroMQ dropped them unread.
+    # Read and then refused, the oversized frames would be `malformed` rejections: the generator's Router
+    # refused its frame from the length ahead of it (`oversized`), ZeroMQ dropped the trainer's unread.
+    assert generator["rejected_oversized"] == 1, generator
     assert "rejected_malformed" not in generator and "rejected_malformed" not in trainer_counters
     gen_log = run.log("generator", 0)
     assert "bad MAC" in gen_log and "kind 'ctl' is not taken here" in gen_log

@@ -19,8 +19,10 @@ import itertools
 import logging
 import math
 import secrets
+import select
+import socket
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Mapping, Optional, Sequence, TypeVar
 
@@ -30,6 +32,7 @@ import zmq
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from vlaslurm.rundir.secret import derive_key
+from vlaslurm.runtime import stream
 from vlaslurm.runtime.netaddr import bind_address
 
 log = logging.getLogger("vlaslurm.transport")
@@ -68,7 +71,7 @@ MAX_SESSION_BYTES = 64
 REPLAY_WINDOW = 1024  # sequence numbers per sender session below the highest seen that may still arrive
 MAX_SESSIONS = 4096  # sender sessions a receiving socket remembers (the least recently heard go first)
 DEFAULT_CHANNEL = "default"
-REJECT_REASONS = ("malformed", "mac", "channel", "kind", "replay", "out_of_window", "content")
+REJECT_REASONS = ("malformed", "oversized", "mac", "channel", "kind", "replay", "out_of_window", "content")
 MIN_KEY_BYTES = 16
 ALLOWED_DTYPES = frozenset(
     np.dtype(name).newbyteorder("<").str
@@ -91,6 +94,9 @@ ALLOWED_DTYPES = frozenset(
 
 DEFAULT_LINGER_MS = 200
 DEFAULT_SEND_TIMEOUT_MS = 120_000
+QUEUED_BYTES = 64 << 20  # a stream sender blocks while a connection holds more than this (or two frames)
+CONNECT_TIMEOUT_S = 5.0
+RECONNECT_S = (0.1, 2.0)  # a Dealer's first and longest wait between attempts to connect
 _LOG_FIRST_REJECTS = 10
 _LOG_EVERY_REJECTS = 1000
 
@@ -366,24 +372,116 @@ def _peer_address(frame: Any) -> str:
         return "?"
 
 
-_S = TypeVar("_S", bound="_Socket")
+_S = TypeVar("_S", bound="_Signed")
 Accepts = Mapping[str, Optional[Callable[[Message], object]]]
 
 
-class _Socket:
-    """What every wrapper shares: options, bind/connect, signed send, verified receive.
+class _Signed:
+    """What every wrapper shares: keys, the sending session, verification and the count of refused messages.
 
     `key` is the run secret; each socket signs with `channel_key(key, send channel)` and verifies with
     `channel_key(key, receive channel)`. Both are `channel` unless `reply_channel` is given, which a
     Dealer receives on and a Router sends on. `accepts` maps each message kind a receiving socket takes
     to a check of its content (None: none; a check raises WireError, or anything, for a bad message);
-    other kinds are refused. `max_frame_bytes` (ZMQ_MAXMSGSIZE) disconnects a peer that sends a larger
-    frame, before it is buffered.
+    other kinds are refused. `max_frame_bytes` disconnects a peer that sends a larger frame, before it is
+    buffered.
     """
+
+    _receives_replies = True  # a Dealer receives on reply_channel; a Router receives on channel
+
+    def __init__(
+        self,
+        key: bytes,
+        *,
+        channel: str = DEFAULT_CHANNEL,
+        reply_channel: str | None = None,
+        name: str = "",
+        accepts: Accepts | None = None,
+        max_frame_bytes: int | None = None,
+        send_timeout_ms: int = DEFAULT_SEND_TIMEOUT_MS,
+    ) -> None:
+        secret = _check_key(key)
+        reply = channel if reply_channel is None else reply_channel
+        self.send_channel, self.recv_channel = (channel, reply) if self._receives_replies else (reply, channel)
+        self._send_key = channel_key(secret, self.send_channel)
+        self._recv_key = channel_key(secret, self.recv_channel)
+        self.name = name or type(self).__name__.lower()
+        self.accepts = None if accepts is None else dict(accepts)
+        self.send_timeout_ms = send_timeout_ms
+        self.session = secrets.token_bytes(SESSION_BYTES)  # names this socket's messages; never reused
+        self._seq = 0
+        self.replays = ReplayGuard()
+        self.rejections: dict[str, int] = {}
+        self.endpoints: list[str] = []
+        self.max_frame_bytes = max_frame_bytes
+
+    @property
+    def rejected(self) -> int:
+        """Messages dropped so far, for every reason."""
+        return sum(self.rejections.values())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, {self.endpoints})"
+
+    def __enter__(self: _S) -> _S:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def _signed(self, message: Message) -> list[Any]:
+        frames = encode(message, self._send_key, channel=self.send_channel, session=self.session, seq=self._seq)
+        self._seq += 1  # a number is never signed twice, even if this send fails
+        return frames
+
+    def _verify(self, frames: list[Any]) -> Message:
+        """The message in `frames` if it is authentic, for this socket, of a kind it takes, and new."""
+        message, origin = decode_signed(frames, self._recv_key)
+        if origin.channel != self.recv_channel:  # the key already differs; this names the mistake
+            raise WireError(f"signed for channel {origin.channel!r}, not {self.recv_channel!r}", reason="channel")
+        if self.accepts is not None and message.kind not in self.accepts:
+            raise WireError(f"kind {message.kind!r} is not taken here (takes {sorted(self.accepts)})", reason="kind")
+        why = self.replays.check(origin.session, origin.seq)
+        if why is not None:
+            raise WireError(
+                f"{'repeated' if why == 'replay' else 'out-of-window'} message {origin.seq} of sender session "
+                f"{origin.session.hex()[:12]} (a replay)",
+                reason=why,
+            )
+        check = None if self.accepts is None else self.accepts[message.kind]
+        if check is not None:
+            try:
+                message.decoded, message.decoded_by = check(message), check
+            except WireError as err:
+                raise WireError(f"bad {message.kind!r} message: {err}", reason="content") from None
+            except Exception as err:  # noqa: BLE001 - a check that trips over odd content refuses it
+                what = f"{type(err).__name__}: {err}"
+                raise WireError(f"bad {message.kind!r} message: {what}", reason="content") from None
+        return message
+
+    def _reject(self, peer: str, err: WireError) -> None:
+        count = self.rejections[err.reason] = self.rejections.get(err.reason, 0) + 1
+        if count <= _LOG_FIRST_REJECTS or count % _LOG_EVERY_REJECTS == 0:
+            log.warning(
+                "%s: dropped message from peer %s: %s (rejected so far: %d, %d for %s)",
+                self.name,
+                peer,
+                err,
+                self.rejected,
+                count,
+                err.reason,
+            )
+
+
+class _Socket(_Signed):
+    """A ZeroMQ socket (Push, Pull, Pub, Sub): options, bind/connect, signed send, verified receive.
+    `max_frame_bytes` is ZMQ_MAXMSGSIZE."""
 
     socket_type: int = -1
     default_hwm: int = 1000
-    _receives_replies = True  # a Dealer receives on reply_channel; a Router receives on channel
 
     def __init__(
         self,
@@ -399,41 +497,22 @@ class _Socket:
         send_timeout_ms: int = DEFAULT_SEND_TIMEOUT_MS,
         context: zmq.Context | None = None,
     ) -> None:
-        secret = _check_key(key)
-        reply = channel if reply_channel is None else reply_channel
-        self.send_channel, self.recv_channel = (channel, reply) if self._receives_replies else (reply, channel)
-        self._send_key = channel_key(secret, self.send_channel)
-        self._recv_key = channel_key(secret, self.recv_channel)
-        self.name = name or type(self).__name__.lower()
-        self.accepts = None if accepts is None else dict(accepts)
-        self.send_timeout_ms = send_timeout_ms
-        self.session = secrets.token_bytes(SESSION_BYTES)  # names this socket's messages; never reused
-        self._seq = 0
-        self.replays = ReplayGuard()
-        self.rejections: dict[str, int] = {}
-        self.endpoints: list[str] = []
+        super().__init__(
+            key,
+            channel=channel,
+            reply_channel=reply_channel,
+            name=name,
+            accepts=accepts,
+            max_frame_bytes=max_frame_bytes,
+            send_timeout_ms=send_timeout_ms,
+        )
         self.socket = (context or zmq.Context.instance()).socket(self.socket_type)
         self.socket.setsockopt(zmq.LINGER, linger_ms)
         self._sndtimeo = -1  # the socket's current SNDTIMEO (ZeroMQ's default: block)
         self.socket.setsockopt(zmq.SNDHWM, hwm or self.default_hwm)
         self.socket.setsockopt(zmq.RCVHWM, hwm or self.default_hwm)
-        self.max_frame_bytes = max_frame_bytes
         if max_frame_bytes:  # before bind/connect: the limit is read per connection
             self.socket.setsockopt(zmq.MAXMSGSIZE, int(max_frame_bytes))
-
-    @property
-    def rejected(self) -> int:
-        """Messages dropped so far, for every reason."""
-        return sum(self.rejections.values())
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r}, {self.endpoints})"
-
-    def __enter__(self: _S) -> _S:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def bind(self, address: str, port: int | None = None) -> str:
         """Bind ``tcp://address:port`` (a random free port if None/0); returns the bound endpoint."""
@@ -464,8 +543,7 @@ class _Socket:
         if timeout_ms != self._sndtimeo:
             self.socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
             self._sndtimeo = timeout_ms
-        frames = encode(message, self._send_key, channel=self.send_channel, session=self.session, seq=self._seq)
-        self._seq += 1  # a number is never signed twice, even if this send fails
+        frames = self._signed(message)
         try:
             self.socket.send_multipart(prefix + frames, copy=True)
         except zmq.Again:
@@ -490,93 +568,324 @@ class _Socket:
                     raise WireError(f"{len(frames)} frames, expected at least {prefix_len + 1}")
                 return frames[:prefix_len], self._verify(frames[prefix_len:])
             except WireError as err:
-                self._reject(frames, prefix_len, err)
+                self._reject(frames[0].bytes.hex() if prefix_len else _peer_address(frames[-1]), err)
             if remaining_ms == 0:
                 return None
 
-    def _verify(self, frames: list[Any]) -> Message:
-        """The message in `frames` if it is authentic, for this socket, of a kind it takes, and new."""
-        message, origin = decode_signed(frames, self._recv_key)
-        if origin.channel != self.recv_channel:  # the key already differs; this names the mistake
-            raise WireError(f"signed for channel {origin.channel!r}, not {self.recv_channel!r}", reason="channel")
-        if self.accepts is not None and message.kind not in self.accepts:
-            raise WireError(f"kind {message.kind!r} is not taken here (takes {sorted(self.accepts)})", reason="kind")
-        why = self.replays.check(origin.session, origin.seq)
-        if why is not None:
-            raise WireError(
-                f"{'repeated' if why == 'replay' else 'out-of-window'} message {origin.seq} of sender session "
-                f"{origin.session.hex()[:12]} (a replay)",
-                reason=why,
-            )
-        check = None if self.accepts is None else self.accepts[message.kind]
-        if check is not None:
+
+class _Stream(_Signed):
+    """A socket on direct connections (`stream`): the caller's thread reads and writes, no I/O thread, so a hop
+    wakes one thread, the receiver's. Received messages wait in `inbox` until `recv`; a message that the
+    kernel cannot take at once waits in its connection's queue, flushed whenever the socket is used or
+    polled. A peer that announces a frame over `max_frame_bytes` (counted `oversized`, its bytes unread) or
+    does not speak the protocol (`malformed`) is dropped with its connection."""
+
+    def __init__(
+        self,
+        key: bytes,
+        *,
+        hwm: int | None = None,
+        linger_ms: int = DEFAULT_LINGER_MS,
+        context: zmq.Context | None = None,  # taken for the ZeroMQ sockets' signature; unused
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(key, **kwargs)
+        self.watch = stream.Watch()
+        self.conns: dict[int, stream.Connection] = {}
+        self.inbox: deque[tuple[stream.Connection, stream.Frames]] = deque()
+        self.linger_ms = linger_ms
+        self.hwm = hwm or 1000  # a Dealer's messages that may wait for a connection
+        # A sender blocks (pumping its input, so two senders never wait on each other) while a connection holds more.
+        self.max_queued_bytes = max(QUEUED_BYTES, 2 * (self.max_frame_bytes or 0))
+
+    def fileno(self) -> int:
+        """Readable while a connection has input or room for queued output (Poller registers this)."""
+        return self.watch.fileno()
+
+    def has_input(self) -> bool:
+        return bool(self.inbox)
+
+    def service(self) -> float | None:
+        """What an I/O thread would do between calls; returns in how many seconds to do it again (None: no need)."""
+        return None
+
+    def _connection(self, sock: socket.socket, expect_hello: bool) -> stream.Connection:
+        conn = stream.Connection(
+            sock,
+            expect_hello=expect_hello,
+            max_frame_bytes=self.max_frame_bytes,
+            max_message_bytes=2 * self.max_frame_bytes if self.max_frame_bytes else None,
+        )
+        self.conns[conn.fd] = conn
+        self.watch.add(conn.fd)
+        return conn
+
+    def _dropped(self, conn: stream.Connection) -> None:
+        """A connection went away (peer closed, broke, or broke the protocol)."""
+
+    def _pump(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for any connection; read what arrived, write what they take, accept."""
+        for fd, events in self.watch.ready(timeout_s):
+            conn = self.conns.get(fd)
+            if conn is None:
+                self._on_listener(fd)
+                continue
+            if events & select.EPOLLOUT:
+                self._flush(conn)
+            if events & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) and not conn.closed:
+                self._read(conn)
+
+    def _on_listener(self, fd: int) -> None:
+        self.watch.remove(fd)  # not ours any more (closed while the event was in flight)
+
+    def _read(self, conn: stream.Connection) -> None:
+        try:
+            messages = conn.read()
+        except stream.BadStream as err:
+            self._reject(self._peer(conn), WireError(f"dropped the connection: {err}", reason=err.reason))
+            self._forget(conn)
+            return
+        self.inbox.extend((conn, frames) for frames in messages)
+        if conn.closed:
+            self._forget(conn)
+
+    def _forget(self, conn: stream.Connection) -> None:
+        """Take a connection out, closing it if it is still open."""
+        self.conns.pop(conn.fd, None)
+        self.watch.remove(conn.fd)  # before closing, while the descriptor is still this connection's
+        if not conn.closed:
+            conn.close()
+        self._dropped(conn)
+
+    def _flush(self, conn: stream.Connection) -> bool:
+        try:
+            done = conn.flush()
+        except stream.StreamClosed:
+            self._forget(conn)
+            return False
+        self.watch.add(conn.fd, write=not done)
+        return done
+
+    def _queue(self, conn: stream.Connection, frames: list[Any], timeout_ms: int | None) -> None:
+        """Queue `frames` on `conn` and write what goes now; block only past `max_queued_bytes`."""
+        conn.queue(frames)
+        self._flush(conn)
+        if conn.pending <= self.max_queued_bytes:
+            return
+        timeout_ms = self.send_timeout_ms if timeout_ms is None else timeout_ms
+        deadline = time.monotonic() + max(0, timeout_ms) / 1000
+        while conn.pending > self.max_queued_bytes and not conn.closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SendTimeout(
+                    f"{self.name}: {conn.pending} bytes queued for {self._peer(conn)} after "
+                    f"{timeout_ms / 1000:g} s (the peer stopped reading)"
+                )
+            self._pump(min(left, 0.1))
+
+    def _take(self, timeout_ms: int) -> tuple[stream.Connection, Message] | None:
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            while self.inbox:
+                conn, frames = self.inbox.popleft()
+                try:
+                    return conn, self._verify(frames)
+                except WireError as err:
+                    self._reject(self._peer(conn), err)
+            left = deadline - time.monotonic()
+            self._pump(max(0.0, left))
+            if left <= 0 and not self.inbox:
+                return None
+
+    def _peer(self, conn: stream.Connection) -> str:
+        try:
+            host, port = conn.sock.getpeername()[:2]
+            where = f"{host}:{port}"
+        except OSError:
+            where = "?"
+        return f"{conn.identity.hex() if conn.identity else '-'}@{where}"
+
+    def close(self) -> None:
+        for conn in list(self.conns.values()):
+            self._linger(conn)
+            conn.close()
+        self.conns.clear()
+        self.watch.close()
+
+    def _linger(self, conn: stream.Connection) -> None:
+        """Give queued output up to `linger_ms` to go out (as ZeroMQ's linger)."""
+        deadline = time.monotonic() + self.linger_ms / 1000
+        while conn.pending and not conn.closed and time.monotonic() < deadline:
             try:
-                message.decoded, message.decoded_by = check(message), check
-            except WireError as err:
-                raise WireError(f"bad {message.kind!r} message: {err}", reason="content") from None
-            except Exception as err:  # noqa: BLE001 - a check that trips over odd content refuses it
-                what = f"{type(err).__name__}: {err}"
-                raise WireError(f"bad {message.kind!r} message: {what}", reason="content") from None
-        return message
-
-    def _reject(self, frames: list[Any], prefix_len: int, err: WireError) -> None:
-        count = self.rejections[err.reason] = self.rejections.get(err.reason, 0) + 1
-        if count <= _LOG_FIRST_REJECTS or count % _LOG_EVERY_REJECTS == 0:
-            peer = frames[0].bytes.hex() if prefix_len else _peer_address(frames[-1])
-            log.warning(
-                "%s: dropped message from peer %s: %s (rejected so far: %d, %d for %s)",
-                self.name,
-                peer,
-                err,
-                self.rejected,
-                count,
-                err.reason,
-            )
+                if conn.flush():
+                    return
+            except stream.StreamClosed:
+                return
+            select.select([], [conn.sock], [], max(0.0, deadline - time.monotonic()))
 
 
-class Router(_Socket):
+class Router(_Stream):
     """Serves many Dealers: ``recv`` returns (peer id, message); ``send`` replies to one peer.
-    Receives on `channel`, replies on `reply_channel`."""
+    Receives on `channel`, replies on `reply_channel`. A second peer that claims a routing id already
+    connected is refused (its connection closed)."""
 
-    socket_type = zmq.ROUTER
     _receives_replies = False
 
     def __init__(self, key: bytes, **kwargs: Any) -> None:
         super().__init__(key, **kwargs)
-        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.listeners: dict[int, socket.socket] = {}
+        self.peers: dict[bytes, stream.Connection] = {}
+
+    def bind(self, address: str, port: int | None = None) -> str:
+        """Bind ``tcp://address:port`` (a random free port if None/0); returns the bound endpoint."""
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((address, port or 0))
+            listener.listen(128)
+        except OSError as err:
+            listener.close()
+            raise TransportError(
+                f"{self.name}: cannot bind {stream.format_endpoint(address, port or 0)}: {err}"
+            ) from err
+        listener.setblocking(False)
+        self.listeners[listener.fileno()] = listener
+        self.watch.add(listener.fileno())
+        endpoint = stream.format_endpoint(address, listener.getsockname()[1])
+        self.endpoints.append(endpoint)
+        return endpoint
+
+    @property
+    def port(self) -> int:
+        """Port of the last bound endpoint."""
+        return int(self.endpoints[-1].rsplit(":", 1)[1])
+
+    def _on_listener(self, fd: int) -> None:
+        listener = self.listeners.get(fd)
+        if listener is None:
+            return super()._on_listener(fd)
+        for _ in range(64):
+            try:
+                sock, _addr = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as err:  # out of file descriptors, for one: the next poll tries again
+                log.warning("%s: accepting a connection failed: %s", self.name, err)
+                return
+            self._connection(sock, expect_hello=True)
+
+    def _read(self, conn: stream.Connection) -> None:
+        known = conn.identity is not None
+        super()._read(conn)
+        if known or conn.identity is None or conn.closed:
+            return
+        holder = self.peers.get(conn.identity)
+        if holder is not None and not holder.closed:
+            log.warning("%s: refused a second peer with routing id %s", self.name, conn.identity.hex())
+            self.inbox = deque((c, f) for c, f in self.inbox if c is not conn)
+            self._forget(conn)
+            return
+        self.peers[conn.identity] = conn
+
+    def _dropped(self, conn: stream.Connection) -> None:
+        if conn.identity is not None and self.peers.get(conn.identity) is conn:
+            del self.peers[conn.identity]
 
     def recv(self, timeout_ms: int) -> tuple[bytes, Message] | None:
-        got = self._recv(timeout_ms, prefix_len=1)
-        return None if got is None else (got[0][0].bytes, got[1])
+        got = self._take(timeout_ms)
+        if got is None:
+            return None
+        conn, message = got
+        return conn.identity or b"", message
 
     def send(self, peer: bytes, message: Message, timeout_ms: int | None = None) -> None:
-        try:
-            self._send([peer], message, timeout_ms)
-        except zmq.ZMQError as err:
-            if err.errno == zmq.EHOSTUNREACH:
-                raise PeerUnreachable(
-                    f"{self.name}: peer {peer!r} is not connected (it exited or never connected)"
-                ) from None
-            raise
+        conn = self.peers.get(peer)
+        if conn is None or conn.closed:
+            raise PeerUnreachable(f"{self.name}: peer {peer!r} is not connected (it exited or never connected)")
+        self._queue(conn, self._signed(message), timeout_ms)
+        if conn.closed:
+            raise PeerUnreachable(f"{self.name}: peer {peer!r} went away while we sent to it")
+
+    def close(self) -> None:
+        super().close()
+        for listener in self.listeners.values():
+            listener.close()
+        self.listeners.clear()
 
 
-class Dealer(_Socket):
-    """Talks to a Router: sends on `channel`, receives replies on `reply_channel`. Its routing id is
-    `identity`, or by default `routing_id(name)` (unpredictable: nobody can claim it first)."""
-
-    socket_type = zmq.DEALER
+class Dealer(_Stream):
+    """Talks to one Router: sends on `channel`, receives replies on `reply_channel`. Its routing id is
+    `identity`, or by default `routing_id(name)` (unpredictable: nobody can claim it first).
+    As ZeroMQ's: `connect` returns at once; messages sent while no connection is up wait (up to `hwm`)
+    and go out when one is made; a lost connection is made again on the next send or poll."""
 
     def __init__(self, key: bytes, identity: bytes | None = None, **kwargs: Any) -> None:
         super().__init__(key, **kwargs)
         self.identity = identity or routing_id(self.name)
-        self.socket.setsockopt(zmq.ROUTING_ID, self.identity)
+        stream.hello(self.identity)  # checks its length
+        self.conn: stream.Connection | None = None
+        self.backlog: deque[list[Any]] = deque()  # signed, owned frames waiting for a connection
+        self._next_attempt = 0.0
+        self._backoff = RECONNECT_S[0]
+
+    def connect(self, endpoint: str) -> None:
+        """Connect to a Router's bound endpoint (returns at once; connects, and reconnects, when it can)."""
+        if self.endpoints:
+            raise TransportError(f"{self.name}: a Dealer connects to one endpoint (has {self.endpoints[0]})")
+        self.address = stream.parse_endpoint(endpoint)
+        self.endpoints.append(endpoint)
+        self._reconnect()
+
+    def _reconnect(self) -> bool:
+        """Connected now? Tries once if none is up and the back-off allows."""
+        if self.conn is not None and not self.conn.closed:
+            return True
+        now = time.monotonic()
+        if not self.endpoints or now < self._next_attempt:
+            return False
+        try:
+            sock = socket.create_connection(self.address, timeout=CONNECT_TIMEOUT_S)
+        except OSError as err:
+            self._next_attempt = now + self._backoff
+            self._backoff = min(RECONNECT_S[1], 2 * self._backoff)
+            log.debug("%s: cannot connect to %s yet: %s", self.name, self.endpoints[0], err)
+            return False
+        self._backoff = RECONNECT_S[0]
+        self.conn = self._connection(sock, expect_hello=False)
+        self.conn.queue_raw(stream.hello(self.identity))
+        while self.backlog:
+            self.conn.queue(self.backlog.popleft())
+        self._flush(self.conn)
+        return True
+
+    def _dropped(self, conn: stream.Connection) -> None:
+        if conn is self.conn:
+            self.conn = None
+            self._next_attempt = 0.0
 
     def send(self, message: Message, timeout_ms: int | None = None) -> None:
-        self._send([], message, timeout_ms)
+        frames = self._signed(message)
+        if self._reconnect() and self.conn is not None:
+            self._queue(self.conn, frames, timeout_ms)
+            return
+        if len(self.backlog) >= self.hwm:
+            raise SendTimeout(
+                f"{self.name}: sending {message.kind!r} to {self.endpoints}: {self.hwm} messages wait for a "
+                "connection (no peer listening)"
+            )
+        self.backlog.append([bytes(memoryview(f).cast("B")) for f in frames])
 
     def recv(self, timeout_ms: int) -> Message | None:
-        got = self._recv(timeout_ms, prefix_len=0)
+        self._reconnect()
+        got = self._take(timeout_ms)
         return None if got is None else got[1]
+
+    def service(self) -> float | None:
+        """Make a lost connection again if messages wait for it."""
+        if not self.backlog or self._reconnect():
+            return None
+        return max(0.0, self._next_attempt - time.monotonic())
 
 
 class Push(_Socket):
@@ -629,6 +938,11 @@ class Sub(_Socket):
         return None if got is None else got[1]
 
 
+def _poll_key(sock: Any) -> Any:
+    """What zmq.Poller polls for a wrapped socket: a stream socket's epoll descriptor, else its ZeroMQ socket."""
+    return sock if isinstance(sock, _Stream) else sock.socket
+
+
 class Poller(Generic[_S]):
     """Waits on several wrapped sockets at once; ``poll`` returns those with input ready.
 
@@ -638,20 +952,48 @@ class Poller(Generic[_S]):
 
     def __init__(self, *sockets: _S) -> None:
         self._poller = zmq.Poller()
-        self._by_zmq: dict[zmq.Socket, _S] = {}
+        self._by_key: dict[Any, _S] = {}
+        self._streams: list[_Stream] = []
         for sock in sockets:
             self.register(sock)
 
     def register(self, sock: _S) -> None:
-        self._poller.register(sock.socket, zmq.POLLIN)
-        self._by_zmq[sock.socket] = sock
+        key = _poll_key(sock)
+        self._poller.register(key, zmq.POLLIN)
+        self._by_key[key] = sock
+        if isinstance(sock, _Stream):
+            self._streams.append(sock)
+            self._by_key[sock.fileno()] = sock  # zmq.Poller answers with the descriptor
 
     def unregister(self, sock: _S) -> None:
-        self._poller.unregister(sock.socket)
-        del self._by_zmq[sock.socket]
+        key = _poll_key(sock)
+        self._poller.unregister(key)
+        del self._by_key[key]
+        if isinstance(sock, _Stream):
+            self._by_key.pop(sock.fileno(), None)
+        self._streams = [s for s in self._streams if s is not sock]
 
     def poll(self, timeout_ms: int) -> list[_S]:
-        return [self._by_zmq[s] for s, _ in self._poller.poll(timeout_ms)]
+        """The sockets with input, waiting up to `timeout_ms` for one. Stream sockets are serviced here (their
+        connections accepted, read and flushed), and count as ready only with a whole message to take."""
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            for s in self._streams:
+                again = s.service()
+                if again is not None:
+                    wait_ms = min(wait_ms, int(again * 1000) + 1)
+            ready: list[_S] = [self._by_key[s] for s in self._streams if s.has_input()]
+            for key, _ in self._poller.poll(0 if ready else wait_ms):
+                sock = self._by_key[key]
+                if isinstance(sock, _Stream):
+                    sock._pump(0)
+                    if not sock.has_input():
+                        continue
+                if sock not in ready:
+                    ready.append(sock)
+            if ready or time.monotonic() >= deadline:
+                return ready
 
 
 # --------------------------------------------------------------------------- benchmark
