@@ -44,7 +44,10 @@ from vlaslurm.envs.toy import baseline_success
 pytestmark = pytest.mark.slow
 
 WINDOW = 3  # progress reports (`sustained_success`)
-PPO_STEPS = {"sync": 50_000, "async": 50_000}
+# Async PPO's budget is 60k: one run of the suite (2026-12-08, quiet machine) sustained 0.49 by 50k, where two
+# runs of the same code after it reached the stop (0.55) in about half the steps; a run that learns stops early,
+# so the larger budget costs time only in a slow run.
+PPO_STEPS = {"sync": 50_000, "async": 60_000}
 GRPO_STEPS = {"sync": 50_000, "async": 50_000}
 LORA_STEPS = 30_000
 PPO_STOP = 0.55  # the runs' early end: past the bar of 0.5
