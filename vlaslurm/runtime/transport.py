@@ -95,7 +95,9 @@ ALLOWED_DTYPES = frozenset(
 DEFAULT_LINGER_MS = 200
 DEFAULT_SEND_TIMEOUT_MS = 120_000
 QUEUED_BYTES = 64 << 20  # a stream sender blocks while a connection holds more than this (or two frames)
-CONNECT_TIMEOUT_S = 5.0
+# A Dealer's connect blocks its thread (no I/O thread to hand it to) at most this long; a LAN peer answers in
+# under a millisecond, and one that does not is tried again after the back-off.
+CONNECT_TIMEOUT_S = 1.0
 RECONNECT_S = (0.1, 2.0)  # a Dealer's first and longest wait between attempts to connect
 _LOG_FIRST_REJECTS = 10
 _LOG_EVERY_REJECTS = 1000
