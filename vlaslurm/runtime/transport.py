@@ -489,32 +489,19 @@ class _Socket(_Signed):
         self,
         key: bytes,
         *,
-        channel: str = DEFAULT_CHANNEL,
-        reply_channel: str | None = None,
-        name: str = "",
-        accepts: Accepts | None = None,
-        max_frame_bytes: int | None = None,
         hwm: int | None = None,
         linger_ms: int = DEFAULT_LINGER_MS,
-        send_timeout_ms: int = DEFAULT_SEND_TIMEOUT_MS,
         context: zmq.Context | None = None,
+        **kwargs: Any,  # `_Signed`'s
     ) -> None:
-        super().__init__(
-            key,
-            channel=channel,
-            reply_channel=reply_channel,
-            name=name,
-            accepts=accepts,
-            max_frame_bytes=max_frame_bytes,
-            send_timeout_ms=send_timeout_ms,
-        )
+        super().__init__(key, **kwargs)
         self.socket = (context or zmq.Context.instance()).socket(self.socket_type)
         self.socket.setsockopt(zmq.LINGER, linger_ms)
         self._sndtimeo = -1  # the socket's current SNDTIMEO (ZeroMQ's default: block)
         self.socket.setsockopt(zmq.SNDHWM, hwm or self.default_hwm)
         self.socket.setsockopt(zmq.RCVHWM, hwm or self.default_hwm)
-        if max_frame_bytes:  # before bind/connect: the limit is read per connection
-            self.socket.setsockopt(zmq.MAXMSGSIZE, int(max_frame_bytes))
+        if self.max_frame_bytes:  # before bind/connect: the limit is read per connection
+            self.socket.setsockopt(zmq.MAXMSGSIZE, int(self.max_frame_bytes))
 
     def bind(self, address: str, port: int | None = None) -> str:
         """Bind ``tcp://address:port`` (a random free port if None/0); returns the bound endpoint."""
