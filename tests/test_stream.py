@@ -72,8 +72,10 @@ def test_a_dealer_reconnects_to_a_router_that_came_back_on_its_port() -> None:
         pump_until(lambda: dealer.recv(0) is None and dealer.conn is None, [dealer])  # it saw the end
         with Router(KEY) as second:
             second.bind(LOOPBACK, int(endpoint.rsplit(":", 1)[1]))
-            dealer.send(Message("obs", {"n": 2}))
-            got = second.recv(5000)
+            dealer.send(Message("obs", {"n": 2}))  # waits for the reconnection (after the back-off), then goes out
+            got: list = []
+            pump_until(lambda: got.extend(filter(None, [second.recv(0)])) or bool(got), [dealer, second])
+    got = got[0]
     assert got is not None and got[1].meta == {"n": 2}
 
 
@@ -170,3 +172,26 @@ def test_a_poller_waits_on_stream_and_zeromq_sockets_together() -> None:
         ready = poller.poll(5000)
         assert ready == [router]
         assert router.recv(0) is not None
+
+
+def test_empty_arrays_travel_and_do_not_stall_the_sender() -> None:
+    """A message whose last array is empty: its frame is a length alone (a zero-byte write never completes)."""
+    with Router(KEY) as router, Dealer(KEY) as dealer:
+        dealer.connect(router.bind(LOOPBACK))
+        dealer.send(Message("obs", {}, {"image": np.ones(3, np.uint8), "state": np.zeros((4, 0), np.float32)}))
+        got = router.recv(5000)
+        assert got is not None and got[1].arrays["state"].shape == (4, 0)
+        router.send(got[0], Message("act", {}, {"empty": np.zeros(0, np.int64)}))
+        reply = dealer.recv(5000)
+    assert reply is not None and reply.arrays["empty"].shape == (0,)
+
+
+def test_a_flood_of_refused_messages_does_not_hold_recv_past_its_deadline() -> None:
+    with Router(KEY) as router:
+        endpoint = router.bind(LOOPBACK)
+        with RawStream(endpoint, identity=b"flood") as raw:
+            for _ in range(2000):
+                raw.send([b"junk"])
+            pump_until(lambda: len(router.inbox) > 100, [router])  # read, not yet taken
+        assert router.recv(0) is None
+        assert router.rejected == 1  # one refusal, then the deadline (0) ended the call

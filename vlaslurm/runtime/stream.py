@@ -17,6 +17,8 @@ import struct
 from collections import deque
 from typing import Any, Deque, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 MAGIC = b"VLSD\x01"
 MAX_FRAMES = 64  # a message's arrays plus its envelope; far more than any message of a run has
 MAX_ID_BYTES = 255
@@ -84,6 +86,7 @@ class Connection:
         sock.setblocking(False)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _keepalive(sock)
         self.sock = sock
         self.fd = sock.fileno()  # kept: a closed socket's fileno() is -1
         self.identity: Optional[bytes] = None
@@ -113,8 +116,10 @@ class Connection:
     # ----------------------------------------------------------------- reading
 
     def _expect(self, n: int) -> None:
-        self._buf = bytearray(n)
-        self._view = memoryview(self._buf)
+        # np.empty, not bytearray: a zero-filled buffer commits its pages at once, so a peer's header alone
+        # (announcing a frame under the limit) would take the memory; these are committed as bytes arrive.
+        self._buf = np.empty(n, np.uint8).data.cast("B")
+        self._view = self._buf
         self._got = 0
 
     def read(self) -> List[Frames]:
@@ -192,7 +197,7 @@ class Connection:
     def queue(self, frames: Sequence[Any]) -> None:
         header, views = message_header(frames)
         self._out.append(memoryview(header))
-        self._out.extend(views)
+        self._out.extend(v for v in views if v.nbytes)  # an empty frame is its length alone: nothing to write
         self._queued += len(header) + sum(v.nbytes for v in views)
 
     def queue_raw(self, data: bytes) -> None:
@@ -218,7 +223,7 @@ class Connection:
 
     def _consume(self, sent: int) -> None:
         self._queued -= sent
-        while sent:
+        while self._out and (sent or not self._out[0].nbytes):
             head = self._out[0]
             if sent >= head.nbytes:
                 sent -= head.nbytes
@@ -229,6 +234,15 @@ class Connection:
 
     def _own_queued(self) -> None:
         self._out = deque(v if isinstance(v.obj, bytes) else memoryview(bytes(v)) for v in self._out)
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """Probe an idle connection after 30 s, so a peer whose host went away without a word (a half-open
+    connection) is noticed in about a minute instead of holding its routing id for hours."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def _first(items: Deque[memoryview], n: int) -> List[memoryview]:

@@ -98,6 +98,7 @@ QUEUED_BYTES = 64 << 20  # a stream sender blocks while a connection holds more 
 # A Dealer's connect blocks its thread (no I/O thread to hand it to) at most this long; a LAN peer answers in
 # under a millisecond, and one that does not is tried again after the back-off.
 CONNECT_TIMEOUT_S = 1.0
+ACCEPT_PAUSE_S = 0.1  # a Router stops listening this long after an accept failed (out of descriptors)
 RECONNECT_S = (0.1, 2.0)  # a Dealer's first and longest wait between attempts to connect
 _LOG_FIRST_REJECTS = 10
 _LOG_EVERY_REJECTS = 1000
@@ -681,6 +682,8 @@ class _Stream(_Signed):
                     return conn, self._verify(frames)
                 except WireError as err:
                     self._reject(self._peer(conn), err)
+                if time.monotonic() >= deadline:  # a flood of refused messages does not hold the caller
+                    return None
             left = deadline - time.monotonic()
             self._pump(max(0.0, left))
             if left <= 0 and not self.inbox:
@@ -710,7 +713,9 @@ class _Stream(_Signed):
                     return
             except stream.StreamClosed:
                 return
-            select.select([], [conn.sock], [], max(0.0, deadline - time.monotonic()))
+            waiter = select.poll()  # not select.select: it refuses descriptors of 1024 and above
+            waiter.register(conn.fd, select.POLLOUT)
+            waiter.poll(max(0, int((deadline - time.monotonic()) * 1000)))
 
 
 class Router(_Stream):
@@ -724,6 +729,16 @@ class Router(_Stream):
         super().__init__(key, **kwargs)
         self.listeners: dict[int, socket.socket] = {}
         self.peers: dict[bytes, stream.Connection] = {}
+        self._paused: dict[int, float] = {}  # listeners that could not accept, and when to listen again
+
+    def service(self) -> float | None:
+        """Listen again on listeners paused by a failed accept; in how long to look again."""
+        now = time.monotonic()
+        for fd, until in list(self._paused.items()):
+            if now >= until:
+                del self._paused[fd]
+                self.watch.add(fd)
+        return max(0.0, min(self._paused.values()) - now) if self._paused else None
 
     def bind(self, address: str, port: int | None = None) -> str:
         """Bind ``tcp://address:port`` (a random free port if None/0); returns the bound endpoint."""
@@ -759,8 +774,10 @@ class Router(_Stream):
                 sock, _addr = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as err:  # out of file descriptors, for one: the next poll tries again
-                log.warning("%s: accepting a connection failed: %s", self.name, err)
+            except OSError as err:  # out of file descriptors, for one: stop listening a moment, not spin
+                log.warning("%s: accepting a connection failed (%s); pausing for %g s", self.name, err, ACCEPT_PAUSE_S)
+                self.watch.remove(fd)
+                self._paused[fd] = time.monotonic() + ACCEPT_PAUSE_S
                 return
             self._connection(sock, expect_hello=True)
 
@@ -782,6 +799,7 @@ class Router(_Stream):
             del self.peers[conn.identity]
 
     def recv(self, timeout_ms: int) -> tuple[bytes, Message] | None:
+        self.service()
         got = self._take(timeout_ms)
         if got is None:
             return None
@@ -840,7 +858,6 @@ class Dealer(_Stream):
             self._backoff = min(RECONNECT_S[1], 2 * self._backoff)
             log.debug("%s: cannot connect to %s yet: %s", self.name, self.endpoints[0], err)
             return False
-        self._backoff = RECONNECT_S[0]
         self.conn = self._connection(sock, expect_hello=False)
         self.conn.queue_raw(stream.hello(self.identity))
         while self.backlog:
@@ -849,9 +866,10 @@ class Dealer(_Stream):
         return True
 
     def _dropped(self, conn: stream.Connection) -> None:
-        if conn is self.conn:
+        if conn is self.conn:  # the back-off goes on until a reply arrives: a Router that refuses us is not hammered
             self.conn = None
-            self._next_attempt = 0.0
+            self._next_attempt = time.monotonic() + self._backoff
+            self._backoff = min(RECONNECT_S[1], 2 * self._backoff)
 
     def send(self, message: Message, timeout_ms: int | None = None) -> None:
         frames = self._signed(message)
@@ -868,7 +886,10 @@ class Dealer(_Stream):
     def recv(self, timeout_ms: int) -> Message | None:
         self._reconnect()
         got = self._take(timeout_ms)
-        return None if got is None else got[1]
+        if got is None:
+            return None
+        self._backoff = RECONNECT_S[0]  # the connection works
+        return got[1]
 
     def service(self) -> float | None:
         """Make a lost connection again if messages wait for it."""
