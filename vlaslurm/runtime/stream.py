@@ -99,9 +99,6 @@ class Connection:
         self._lengths: List[int] = []
         self._expect(_HELLO if expect_hello else _COUNT.size)
 
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
     @property
     def pending(self) -> int:
         """Bytes queued and not yet written."""
@@ -119,7 +116,6 @@ class Connection:
         # np.empty, not bytearray: a zero-filled buffer commits its pages at once, so a peer's header alone
         # (announcing a frame under the limit) would take the memory; these are committed as bytes arrive.
         self._buf = np.empty(n, np.uint8).data.cast("B")
-        self._view = self._buf
         self._got = 0
 
     def read(self) -> List[Frames]:
@@ -130,7 +126,7 @@ class Connection:
             want = len(self._buf) - self._got
             if want:
                 try:
-                    n = self.sock.recv_into(self._view[self._got :], want)
+                    n = self.sock.recv_into(self._buf[self._got :], want)
                 except (BlockingIOError, InterruptedError):
                     break
                 except OSError:
@@ -184,7 +180,7 @@ class Connection:
             raise BadStream(f"a message of {total} bytes (at most {self.max_message_bytes})", "oversized")
 
     def _message(self) -> Frames:
-        body, frames, start = self._view.toreadonly(), [], 0
+        body, frames, start = self._buf.toreadonly(), [], 0
         for length in self._lengths:
             frames.append(body[start : start + length])
             start += length

@@ -432,6 +432,11 @@ class _Signed:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def port(self) -> int:
+        """Port of the last bound endpoint."""
+        return int(self.endpoints[-1].rsplit(":", 1)[1])
+
     def close(self) -> None:
         raise NotImplementedError
 
@@ -514,11 +519,6 @@ class _Socket(_Signed):
         endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.endpoints.append(endpoint)
         return endpoint
-
-    @property
-    def port(self) -> int:
-        """Port of the last bound endpoint."""
-        return int(self.endpoints[-1].rsplit(":", 1)[1])
 
     def connect(self, endpoint: str) -> None:
         """Connect to a peer's bound endpoint (returns at once; ZeroMQ reconnects in the background)."""
@@ -760,11 +760,6 @@ class Router(_Stream):
         self.endpoints.append(endpoint)
         return endpoint
 
-    @property
-    def port(self) -> int:
-        """Port of the last bound endpoint."""
-        return int(self.endpoints[-1].rsplit(":", 1)[1])
-
     def _on_listener(self, fd: int) -> None:
         listener = self.listeners.get(fd)
         if listener is None:
@@ -854,9 +849,8 @@ class Dealer(_Stream):
         try:
             sock = socket.create_connection(self.address, timeout=CONNECT_TIMEOUT_S)
         except OSError as err:
-            self._next_attempt = now + self._backoff
-            self._backoff = min(RECONNECT_S[1], 2 * self._backoff)
             log.debug("%s: cannot connect to %s yet: %s", self.name, self.endpoints[0], err)
+            self._retry_later()
             return False
         self.conn = self._connection(sock, expect_hello=False)
         self.conn.queue_raw(stream.hello(self.identity))
@@ -866,10 +860,15 @@ class Dealer(_Stream):
         return True
 
     def _dropped(self, conn: stream.Connection) -> None:
-        if conn is self.conn:  # the back-off goes on until a reply arrives: a Router that refuses us is not hammered
+        if conn is self.conn:
             self.conn = None
-            self._next_attempt = time.monotonic() + self._backoff
-            self._backoff = min(RECONNECT_S[1], 2 * self._backoff)
+            self._retry_later()
+
+    def _retry_later(self) -> None:
+        """The next attempt to connect after the back-off, which doubles until a reply arrives (`recv`), so a
+        Router that refuses us is not hammered."""
+        self._next_attempt = time.monotonic() + self._backoff
+        self._backoff = min(RECONNECT_S[1], 2 * self._backoff)
 
     def send(self, message: Message, timeout_ms: int | None = None) -> None:
         frames = self._signed(message)
@@ -949,8 +948,9 @@ class Sub(_Socket):
 
 
 def _poll_key(sock: Any) -> Any:
-    """What zmq.Poller polls for a wrapped socket: a stream socket's epoll descriptor, else its ZeroMQ socket."""
-    return sock if isinstance(sock, _Stream) else sock.socket
+    """What zmq.Poller polls for a wrapped socket, and answers with: a stream socket's epoll descriptor, else its
+    ZeroMQ socket."""
+    return sock.fileno() if isinstance(sock, _Stream) else sock.socket
 
 
 class Poller(Generic[_S]):
@@ -973,14 +973,11 @@ class Poller(Generic[_S]):
         self._by_key[key] = sock
         if isinstance(sock, _Stream):
             self._streams.append(sock)
-            self._by_key[sock.fileno()] = sock  # zmq.Poller answers with the descriptor
 
     def unregister(self, sock: _S) -> None:
         key = _poll_key(sock)
         self._poller.unregister(key)
         del self._by_key[key]
-        if isinstance(sock, _Stream):
-            self._by_key.pop(sock.fileno(), None)
         self._streams = [s for s in self._streams if s is not sock]
 
     def poll(self, timeout_ms: int) -> list[_S]:
@@ -993,7 +990,7 @@ class Poller(Generic[_S]):
                 again = s.service()
                 if again is not None:
                     wait_ms = min(wait_ms, int(again * 1000) + 1)
-            ready: list[_S] = [self._by_key[s] for s in self._streams if s.has_input()]
+            ready: list[_S] = [self._by_key[s.fileno()] for s in self._streams if s.has_input()]
             for key, _ in self._poller.poll(0 if ready else wait_ms):
                 sock = self._by_key[key]
                 if isinstance(sock, _Stream):
